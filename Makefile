@@ -1,0 +1,39 @@
+# The README's commands. `make install` is idempotent: it re-runs only when pyproject.toml changes.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+TORCH_PIN := torch==2.13.0
+# The checkout's root is never put on sys.path (python -P): see README, "Packaging".
+export PYTHONSAFEPATH := 1
+
+.PHONY: install install-dev serve test bench default-model lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: an unpinned resolve would pull the multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
+
+serve: install
+	$(VENV)/bin/yoso-serve $(ARGS)
+
+test: install-dev
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+bench: install-dev
+	$(PY) bench/attention.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

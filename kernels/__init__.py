@@ -1,0 +1,12 @@
+"""YOSO attention operators (import as ``yoso_serve.kernels``)."""
+
+if __name__ != "yoso_serve.kernels":  # a checkout on sys.path, imported as top-level `kernels`
+    from ._checkout import step_aside
+
+    step_aside(__name__, __file__)
+else:
+    from ._build import backend_info
+    from .hashing import hash_codes, hash_codes_ref
+    from .yoso import yoso_attention, yoso_attention_ref
+
+    __all__ = ["backend_info", "hash_codes", "hash_codes_ref", "yoso_attention", "yoso_attention_ref"]

@@ -1,0 +1,225 @@
+"""The YOSO encoder: embeddings and post-LayerNorm BERT blocks whose attention is YOSO.
+
+Module and parameter names follow transformers' ``YosoModel`` so that state dicts match
+key for key (``embeddings.word_embeddings.weight``, ``encoder.layer.3.attention.self.query.weight``,
+``encoder.layer.3.attention.self.conv.weight`` ...). Two deliberate differences from
+transformers' code: padding is really masked (a key-padding mask reaches the attention op,
+padded queries give zero rows), so a text's output is the same alone or padded inside a
+batch; and the hash projections are seeded per (config.hash_seed, layer), so outputs are
+deterministic for a given hash count, which is chosen per call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from yoso_serve.kernels import yoso_attention
+
+from .config import EncoderConfig
+
+# Position ids start here, as in transformers' YOSO (rows 0 and 1 of the table are unused).
+POSITION_OFFSET = 2
+
+
+def activation(name: str):
+    """The activation function named by ``hidden_act`` (transformers' names)."""
+    tanh_gelu = functools.partial(F.gelu, approximate="tanh")  # a partial, not a lambda: picklable
+    table = {
+        "gelu": F.gelu,
+        "gelu_new": tanh_gelu,
+        "gelu_pytorch_tanh": tanh_gelu,
+        "gelu_fast": tanh_gelu,
+        "relu": F.relu,
+        "silu": F.silu,
+        "swish": F.silu,
+        "tanh": torch.tanh,
+    }
+    if name not in table:
+        raise ValueError(f"hidden_act must be one of {sorted(table)}, got {name!r}")
+    return table[name]
+
+
+def layer_seed(hash_seed: int, layer_index: int) -> int:
+    """Seed of one layer's hash projections: distinct per layer (< 65536 layers), fixed per model."""
+    return (int(hash_seed) << 16) + int(layer_index)
+
+
+class YosoEmbeddings(nn.Module):
+    """Word + position (offset 2) + token-type embeddings, LayerNorm, dropout."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.max_positions = config.max_position_embeddings
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (B, N) int64, token_type_ids (B, N) int64 or None → (B, N, hidden)."""
+        n = input_ids.shape[1]
+        if n > self.max_positions:
+            raise ValueError(f"sequence length {n} exceeds max_position_embeddings ({self.max_positions})")
+        # Right padding is assumed: position i of every row is token i of its text.
+        positions = torch.arange(POSITION_OFFSET, n + POSITION_OFFSET, device=input_ids.device)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        x = x + self.position_embeddings(positions)[None]
+        return self.dropout(self.LayerNorm(x))
+
+
+class YosoSelfAttention(nn.Module):
+    """Q/K/V projections, YOSO attention, per-head ℓ2 normalisation (N-YOSO), optional YOSO-C conv."""
+
+    def __init__(self, config: EncoderConfig, layer_index: int):
+        super().__init__()
+        self.config = config
+        self.heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.seed = layer_seed(config.hash_seed, layer_index)
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        if config.conv_window is not None:
+            # Depthwise along the sequence, one (window × 1) kernel per head (transformers' shape and key).
+            self.conv = nn.Conv2d(self.heads, self.heads, kernel_size=(config.conv_window, 1),
+                                  padding=(config.conv_window // 2, 0), bias=False, groups=self.heads)
+        else:
+            self.conv = None
+
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        return x.view(b, n, self.heads, self.head_dim).transpose(1, 2)  # (B, H, N, d)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None, hashes: int) -> torch.Tensor:
+        """hidden (B, N, hidden), mask (B, N) bool or None, hashes ≥ 0 (0 = exact) → (B, N, hidden)."""
+        q = self.split_heads(self.query(hidden))
+        k = self.split_heads(self.key(hidden))
+        v = self.split_heads(self.value(hidden))
+        context = yoso_attention(
+            q, k, v, mask, num_hashes=hashes, hash_bits=self.config.hash_code_len, seed=self.seed,
+            exact=hashes == 0, fast_hash=self.config.use_fast_hash, backend=self.config.attention_backend,
+        )
+        # N-YOSO: the cumulation is not divided by its expected count; unit norm per head instead.
+        context = F.normalize(context, p=2.0, dim=-1)  # (B, H, N, d)
+        if self.conv is not None:
+            masked_v = v if mask is None else v * mask[:, None, :, None].to(v.dtype)
+            context = context + self.conv(masked_v)
+        b, _, n, _ = context.shape
+        return context.transpose(1, 2).reshape(b, n, self.heads * self.head_dim)  # (B, N, hidden)
+
+
+class DenseResidual(nn.Module):
+    """dense → dropout → LayerNorm(· + residual): the output half of BERT's sub-blocks."""
+
+    def __init__(self, d_in: int, config: EncoderConfig):
+        super().__init__()
+        self.dense = nn.Linear(d_in, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(x)) + residual)
+
+
+class YosoAttention(nn.Module):
+    def __init__(self, config: EncoderConfig, layer_index: int):
+        super().__init__()
+        self.self = YosoSelfAttention(config, layer_index)
+        self.output = DenseResidual(config.hidden_size, config)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None, hashes: int) -> torch.Tensor:
+        return self.output(self.self(hidden, mask, hashes), hidden)
+
+
+class YosoIntermediate(nn.Module):
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class YosoLayer(nn.Module):
+    """Attention block then feed-forward block, the latter chunked along the sequence when long."""
+
+    def __init__(self, config: EncoderConfig, layer_index: int):
+        super().__init__()
+        self.config = config
+        self.attention = YosoAttention(config, layer_index)
+        self.intermediate = YosoIntermediate(config)
+        self.output = DenseResidual(config.intermediate_size, config)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.intermediate(x), x)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None, hashes: int) -> torch.Tensor:
+        x = self.attention(hidden, mask, hashes)
+        chunk = self.config.ffn_chunk_size(x.shape[1])
+        if not chunk or x.shape[1] <= chunk:
+            return self.feed_forward(x)
+        # Position-wise, so chunks give the same numbers with a bounded (B, chunk, intermediate) peak.
+        return torch.cat([self.feed_forward(part) for part in x.split(chunk, dim=1)], dim=1)
+
+
+class YosoLayerStack(nn.Module):
+    """The ``encoder.layer.N`` stack (a separate module so the state-dict keys match transformers')."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.layer = nn.ModuleList([YosoLayer(config, i) for i in range(config.num_hidden_layers)])
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None, hashes: int) -> torch.Tensor:
+        for layer in self.layer:
+            hidden = layer(hidden, mask, hashes)
+        return hidden
+
+
+class YosoEncoder(nn.Module):
+    """Embeddings + YOSO layers → last hidden states (transformers' ``YosoModel`` without its quirks)."""
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = YosoEmbeddings(config)
+        self.encoder = YosoLayerStack(config)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # BERT's initialisation, so that a model built from a config alone is a sensible start.
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            nn.init.zeros_(module.weight[module.padding_idx])
+
+    def resolve_hashes(self, hashes: int | None) -> int:
+        """The hash count of a call: ``None`` → config.default_hashes; must be an int ≥ 0."""
+        if hashes is None:
+            return self.config.default_hashes
+        if isinstance(hashes, bool) or not isinstance(hashes, int) or hashes < 0:
+            raise ValueError(f"hashes must be an int >= 0 (0 = exact), got {hashes!r}")
+        return hashes
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, *, hashes: int | None = None) -> torch.Tensor:
+        """input_ids (B, N) int64, attention_mask (B, N) 0/1 or bool (1 = real token) → (B, N, hidden)."""
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be (B, N) with N >= 1, got shape {tuple(input_ids.shape)}")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        mask = None if attention_mask is None else attention_mask.bool()
+        hidden = self.embeddings(input_ids, token_type_ids)
+        return self.encoder(hidden, mask, self.resolve_hashes(hashes))

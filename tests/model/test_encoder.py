@@ -1,0 +1,115 @@
+"""The encoder's own behaviour: real padding masks, per-call hashes, chunked FFN, long inputs, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+LENGTHS = [7, 23, 16]
+
+
+@pytest.mark.parametrize("hashes", [0, 8])
+@pytest.mark.parametrize("conv_window", [None, 3])
+def test_padding_does_not_change_a_text(hashes, conv_window, kit):
+    model = kit.tiny_model(conv_window=conv_window)
+    seqs = kit.random_ids(LENGTHS)
+    ids, mask = kit.pad_batch(seqs)
+    with torch.no_grad():
+        batched = model.last_hidden(ids, mask, hashes=hashes)
+        pooled = model.embed(ids, mask, hashes=hashes)
+        for row, seq in enumerate(seqs):
+            alone = model.last_hidden(torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long), hashes=hashes)
+            torch.testing.assert_close(batched[row, : len(seq)], alone[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(pooled[row], alone[0].mean(dim=0), atol=1e-5, rtol=1e-5)
+
+
+def test_padding_is_masked_for_real(kit):
+    """Changing what sits under the padding must not move the real tokens' outputs."""
+    model = kit.tiny_model()
+    ids, mask = kit.pad_batch(kit.random_ids([5, 12]))
+    garbage = ids.clone()
+    garbage[0, 5:] = torch.arange(5, 12) + 30
+    with torch.no_grad():
+        a = model.last_hidden(ids, mask, hashes=0)
+        b = model.last_hidden(garbage, mask, hashes=0)
+        unmasked = model.last_hidden(garbage, torch.ones_like(mask), hashes=0)
+    torch.testing.assert_close(a[0, :5], b[0, :5], atol=1e-6, rtol=0)
+    assert (unmasked[0, :5] - a[0, :5]).abs().max() > 1e-3  # the mask is what protects them
+
+
+def test_hashes_chosen_per_call_without_rebuilding(kit):
+    # Gaussian hyperplanes: an unbiased estimator of the exact mode (the fast rotation is biased
+    # when hash_code_len is close to the head size, as here: 6 bits of an 8-dim rotation).
+    model = kit.tiny_model(use_expectation=False, use_fast_hash=False)
+    ids, mask = kit.pad_batch(kit.random_ids([40, 40], seed=3))
+    with torch.no_grad():
+        exact = model.last_hidden(ids, mask, hashes=0)
+        default = model.last_hidden(ids, mask)  # use_expectation False → num_hash = 16 hashes
+        again = model.last_hidden(ids, mask, hashes=16)
+        errors = {m: (model.last_hidden(ids, mask, hashes=m) - exact).norm().item() for m in (1, 4, 64, 512)}
+    assert torch.equal(default, again)  # deterministic: seeded per (hash_seed, layer)
+    assert errors[512] < errors[64] < errors[4] < errors[1]
+    assert errors[512] < 0.25 * errors[1]
+
+
+def test_hash_seed_changes_lsh_but_not_exact(kit):
+    a, b = kit.tiny_model(hash_seed=0), kit.tiny_model(hash_seed=1)
+    ids, mask = kit.pad_batch(kit.random_ids([30]))
+    with torch.no_grad():
+        assert torch.equal(a.last_hidden(ids, mask, hashes=0), b.last_hidden(ids, mask, hashes=0))
+        assert not torch.allclose(a.last_hidden(ids, mask, hashes=4), b.last_hidden(ids, mask, hashes=4))
+
+
+def test_default_hashes_follow_use_expectation(kit):
+    assert kit.tiny_model(use_expectation=True).config.default_hashes == 0
+    assert kit.tiny_model(use_expectation=False, num_hash=5).config.default_hashes == 5
+
+
+def test_chunked_feed_forward_matches_unchunked(kit):
+    plain = kit.tiny_model(seed=1)
+    chunked = kit.tiny_model(seed=1, chunk_size_feed_forward=7)
+    assert chunked.config.ffn_chunk_size(50) == 7
+    ids, mask = kit.pad_batch(kit.random_ids([50, 31]))
+    with torch.no_grad():
+        torch.testing.assert_close(chunked.last_hidden(ids, mask, hashes=4), plain.last_hidden(ids, mask, hashes=4),
+                                   atol=1e-6, rtol=1e-6)
+
+
+def test_16k_token_forward_runs(kit):
+    n = 16384
+    model = kit.tiny_model(num_hidden_layers=1, max_position_embeddings=n)
+    assert model.config.ffn_chunk_size(n) > 0  # the automatic chunking is on at this length
+    ids = torch.tensor(kit.random_ids([n], seed=5))
+    with torch.inference_mode():
+        out = model.last_hidden(ids, torch.ones_like(ids), hashes=4)
+    assert out.shape == (1, n, 32)
+    assert torch.isfinite(out).all()
+    # post-LayerNorm output: each position has (about) zero mean and unit variance before the affine
+    assert out.std(dim=-1).mean().item() == pytest.approx(1.0, abs=0.1)
+
+
+def test_embed_pooling_modes(kit):
+    model = kit.tiny_model()
+    ids, mask = kit.pad_batch(kit.random_ids([4, 9]))
+    with torch.no_grad():
+        hidden = model.last_hidden(ids, mask)
+        torch.testing.assert_close(model.embed(ids, mask, pooling="cls"), hidden[:, 0])
+        torch.testing.assert_close(model.embed(ids, mask)[0], hidden[0, :4].mean(dim=0))
+    with pytest.raises(ValueError, match="pooling"):
+        model.embed(ids, mask, pooling="max")
+
+
+def test_encoder_input_errors(kit):
+    model = kit.tiny_model()
+    too_long = torch.ones(1, 129, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.last_hidden(too_long, torch.ones_like(too_long))
+    ids, mask = kit.pad_batch(kit.random_ids([5]))
+    with pytest.raises(ValueError, match="hashes"):
+        model.last_hidden(ids, mask, hashes=-1)
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        model.last_hidden(ids, mask[:, :3])
+    with pytest.raises(ValueError, match="no classification head"):
+        model.classify(ids, mask)
+    with pytest.raises(ValueError, match="no masked-LM head"):
+        model.mlm_logits(ids, mask)
