@@ -1,0 +1,194 @@
+"""Seeded LSH hash codes for YOSO attention (§3.2 of the paper).
+
+Two hash families, both "concatenate ``hash_bits`` sign bits" (Charikar, 2002):
+
+* Gaussian hyperplanes: ``code = Σ_t 2^t · [x·w_t > 0]`` with ``w_t ~ N(0, I)``.
+* Fast approximate rotation (Andoni et al., 2015): ``R = H·D3·H·D2·H·D1`` where ``H`` is
+  the Walsh–Hadamard matrix and ``Di`` random ±1 diagonals, applied to ``x`` zero-padded
+  to ``P`` = the next power of two ≥ max(D, hash_bits); the code is the signs of the first
+  ``hash_bits`` coordinates of ``R·x``. Every hash has its own three diagonals.
+
+Projections depend only on (seed, head, num_hashes, hash_bits, D, fast_hash): each head
+draws them from its own ``torch.Generator`` seeded from (seed, head), never the global RNG,
+so a sequence gets the same codes alone or inside any batch, and q and k share them.
+
+``hash_codes`` applies the first ``hash_bits`` rows of the rotation as one cached (D, m·τ)
+matrix: ``R`` is linear, so this is the same hash family as ``hash_codes_ref`` (which runs
+the three Walsh–Hadamard rounds plainly) at the cost of one GEMM: the O(τ·log D) butterfly
+pays off in a fused kernel, not as 3·log2(P) PyTorch passes per hash (x of (1, 12, 4096, 64),
+m = 32, τ = 8, one thread of a shared 2-core CPU: 0.19 s here, 3.4 s in hash_codes_ref).
+The two agree exactly except where a projection lies within rounding of zero.
+
+The fast family is only approximately random, and worst for small D: in P ≤ 8 dimensions
+three Hadamard rounds mix poorly (collision rates off (1 − θ/π)^τ by many σ), and for
+D < 8 some rotation rows vanish on the first D coordinates, so those bits are always 0.
+For D ≥ 32 the collision rates match the Gaussian family's within sampling error
+(tests/kernels/test_yoso_stats.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import torch
+
+MAX_HASH_BITS = 16
+# Rotations are built for this many hashes at a time, bounding the (c, D, P) float64 scratch.
+_HASHES_PER_BUILD = 64
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_hash_args(num_hashes: int, hash_bits: int, seed: int) -> None:
+    """Raise ValueError unless num_hashes ≥ 1, 1 ≤ hash_bits ≤ 16 and seed is an int."""
+    if isinstance(num_hashes, bool) or not isinstance(num_hashes, int) or num_hashes < 1:
+        raise ValueError(f"num_hashes must be an int ≥ 1 for hash codes, got {num_hashes!r}")
+    if isinstance(hash_bits, bool) or not isinstance(hash_bits, int):
+        raise ValueError(f"hash_bits must be an int in 1..{MAX_HASH_BITS}, got {hash_bits!r}")
+    if not 1 <= hash_bits <= MAX_HASH_BITS:
+        raise ValueError(f"hash_bits must be in 1..{MAX_HASH_BITS}, got {hash_bits}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+
+
+def check_input(x: torch.Tensor, name: str) -> None:
+    """Raise ValueError unless x is a finite (B, H, N, D) fp32/fp16/bf16 tensor with N, D ≥ 1."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"{name} must have rank 4 (B, H, N, D), got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    batch, heads, length, dim = x.shape
+    if batch == 0 or heads == 0:
+        raise ValueError(f"{name} must have B ≥ 1 and H ≥ 1, got shape {tuple(x.shape)}")
+    if length == 0:
+        raise ValueError(f"{name} has sequence length N = 0; N must be ≥ 1")
+    if dim == 0:
+        raise ValueError(f"{name} has head dimension D = 0; D must be ≥ 1")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} contains NaN or inf")
+
+
+def padded_dim(dim: int, hash_bits: int) -> int:
+    """P: the power of two ≥ max(dim, hash_bits) the fast rotation works in."""
+    need = max(dim, hash_bits)
+    return 1 << (need - 1).bit_length()
+
+
+def head_generator(seed: int, head: int) -> torch.Generator:
+    """A CPU generator whose state depends only on (seed, head), stable across processes."""
+    digest = hashlib.blake2b(f"yoso-lsh:{seed}:{head}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+
+def gaussian_planes(seed: int, head: int, num_hashes: int, hash_bits: int, dim: int) -> torch.Tensor:
+    """(m, D, τ) fp32 hyperplane normals for one head."""
+    gen = head_generator(seed, head)
+    return torch.randn(num_hashes, dim, hash_bits, generator=gen, dtype=torch.float32)
+
+
+def rotation_signs(seed: int, head: int, num_hashes: int, hash_bits: int, dim: int) -> torch.Tensor:
+    """(m, 3, P) fp32 ±1 diagonals D1, D2, D3 of the fast rotation, per hash, for one head."""
+    gen = head_generator(seed, head)
+    size = padded_dim(dim, hash_bits)
+    bits = torch.randint(0, 2, (num_hashes, 3, size), generator=gen)
+    return (bits * 2 - 1).to(torch.float32)
+
+
+def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalised Walsh–Hadamard transform over the last dim (a power of two)."""
+    size = x.shape[-1]
+    lead = x.shape[:-1]
+    half = 1
+    while half < size:
+        pairs = x.reshape(*lead, size // (2 * half), 2, half)
+        low, high = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((low + high, low - high), dim=-2).reshape(*lead, size)
+        half *= 2
+    return x
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """H·D3·H·D2·H·D1 · x for x (..., P) and signs (3, P)."""
+    for diagonal in signs:
+        x = walsh_hadamard(x * diagonal)
+    return x
+
+
+@functools.lru_cache(maxsize=512)
+def _head_matrix(seed: int, head: int, num_hashes: int, hash_bits: int, dim: int, fast_hash: bool) -> torch.Tensor:
+    """(D, m·τ) fp32 matrix whose column h·τ + t projects onto bit t of hash h."""
+    if not fast_hash:
+        planes = gaussian_planes(seed, head, num_hashes, hash_bits, dim)  # (m, D, τ)
+        return planes.permute(1, 0, 2).reshape(dim, num_hashes * hash_bits).contiguous()
+    signs = rotation_signs(seed, head, num_hashes, hash_bits, dim).double()  # (m, 3, P)
+    basis = torch.eye(signs.shape[-1], dtype=torch.float64)[:dim]  # rows e_j, j < D
+    columns = []
+    for start in range(0, num_hashes, _HASHES_PER_BUILD):
+        part = signs[start : start + _HASHES_PER_BUILD]  # (c, 3, P)
+        rotated = basis.expand(part.shape[0], *basis.shape)  # (c, D, P): R·e_j per hash
+        for diagonal in part.unbind(1):  # D1, D2, D3, each (c, P)
+            rotated = walsh_hadamard(rotated * diagonal[:, None, :])
+        columns.append(rotated[..., :hash_bits].permute(1, 0, 2).reshape(dim, -1))  # (D, c·τ)
+    # R·e_j has integer entries of magnitude ≤ P^1.5, so float64 → float32 is exact here.
+    return torch.cat(columns, dim=1).to(torch.float32).contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def _projection(
+    seed: int, heads: int, num_hashes: int, hash_bits: int, dim: int, fast_hash: bool, device: torch.device
+) -> torch.Tensor:
+    """(H, D, m·τ) fp32 on device; cached so repeated forward passes do no host work."""
+    mats = [_head_matrix(seed, h, num_hashes, hash_bits, dim, fast_hash) for h in range(heads)]
+    return torch.stack(mats).to(device)
+
+
+def _codes_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """bits (..., τ) bool → (...) int32 code Σ_t 2^t·bit_t."""
+    weights = 1 << torch.arange(bits.shape[-1], device=bits.device, dtype=torch.int32)
+    return (bits.to(torch.int32) * weights).sum(-1, dtype=torch.int32)
+
+
+def hash_codes(
+    x: torch.Tensor, *, num_hashes: int, hash_bits: int, seed: int = 0, fast_hash: bool = True
+) -> torch.Tensor:
+    """LSH codes of x.
+
+    x: (B, H, N, D) fp32|fp16|bf16 (projected in fp32; only the direction matters).
+    Returns (B, H, m, N) int32 codes in [0, 2**hash_bits), m = num_hashes.
+    """
+    check_input(x, "x")
+    check_hash_args(num_hashes, hash_bits, seed)
+    batch, heads, length, dim = x.shape
+    proj = _projection(seed, heads, num_hashes, hash_bits, dim, bool(fast_hash), x.device)
+    scores = torch.matmul(x.float(), proj)  # (B, H, N, m·τ)
+    bits = scores.view(batch, heads, length, num_hashes, hash_bits) > 0
+    return _codes_from_bits(bits).permute(0, 1, 3, 2).contiguous()  # (B, H, m, N)
+
+
+def hash_codes_ref(
+    x: torch.Tensor, *, num_hashes: int, hash_bits: int, seed: int = 0, fast_hash: bool = True
+) -> torch.Tensor:
+    """Readable twin of :func:`hash_codes`: same signature, shapes and projections.
+
+    The fast family runs the three Walsh–Hadamard rounds on the padded input per hash.
+    """
+    check_input(x, "x")
+    check_hash_args(num_hashes, hash_bits, seed)
+    batch, heads, length, dim = x.shape
+    device = x.device
+    x = x.float().cpu()
+    codes = torch.empty(batch, heads, num_hashes, length, dtype=torch.int32)
+    for head in range(heads):
+        xh = x[:, head]  # (B, N, D)
+        if fast_hash:
+            signs = rotation_signs(seed, head, num_hashes, hash_bits, dim)  # (m, 3, P)
+            padded = torch.nn.functional.pad(xh, (0, signs.shape[-1] - dim))  # (B, N, P)
+            for h in range(num_hashes):
+                codes[:, head, h] = _codes_from_bits(rotate(padded, signs[h])[..., :hash_bits] > 0)
+        else:
+            planes = gaussian_planes(seed, head, num_hashes, hash_bits, dim)  # (m, D, τ)
+            for h in range(num_hashes):
+                codes[:, head, h] = _codes_from_bits(xh @ planes[h] > 0)
+    return codes.to(device)

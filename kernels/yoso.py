@@ -1,0 +1,391 @@
+"""YOSO attention (Zeng et al., 2021, §3.1–3.3): op, autograd Functions and readable twin.
+
+Three faces with one signature:
+
+* :func:`yoso_attention` — dispatching op. LSH mode hashes q̂ and k̂ with one seeded set of
+  projections and runs the bucket cumulation (C++ extension or the pure-PyTorch
+  :func:`lsh_cumulate`) inside :class:`YosoLSHFn`; exact mode (YOSO-E) runs
+  :class:`YosoExactFn`, chunked over queries.
+* :class:`YosoLSHFn` / :class:`YosoExactFn` — autograd. Both use the paper's backward:
+  grad V = B(K, Q)·dO (eq. 11) and the lower bound of eq. 13–14 for grad q̂ and grad k̂,
+  ``grad q̂_i = τ/2 · Σ_j B_ij (dO_i·V_j) k̂_j``. In LSH mode B is the sampled collision
+  matrix (for fixed q̂, k̂, v an unbiased estimator of the exact mode's gradient with the
+  Gaussian family, nearly so with the fast rotation); in exact
+  mode B is replaced by its expectation ``(1 − arccos(q̂·k̂)/π)^τ``. The lower bound is not
+  the derivative of the forward (eq. 12 is), so only grad V is a true gradient.
+* :func:`yoso_attention_ref` — pure PyTorch, dense (N×N) weights, same backward formula
+  written plainly; the oracle for the op.
+
+q and k are ℓ2-normalised inside (the normalisation is differentiated by autograd); the
+output is the un-normalised cumulation ``B·V`` — the model applies N-YOSO's ℓ2 norm.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .hashing import MAX_HASH_BITS, check_input, hash_codes, hash_codes_ref
+
+BACKENDS = ("auto", "torch", "cpp", "cuda")
+# Scratch tensors (hash tables, probability chunks) are cut to about this many fp32 values.
+_CHUNK_BUDGET = 1 << 24
+
+
+def _hash_rows(q_codes, k_codes, rows, offsets):
+    """Flat table rows (int64) of one hash's queries and keys, the table height, and its sink rows.
+
+    q_codes (n, Nq), k_codes (n, Nk) int32; table row = offset of the batch·head + code, and
+    masked (negative) codes go to a sink row per batch·head, zeroed before reading. When
+    2^τ + 1 rows exceed the tokens (large τ), the used rows are renumbered 0..U-1 so that
+    the table never outgrows the tokens; keys still add in their order, so results match.
+    """
+    sink = rows - 1
+    q_rows = (torch.where(q_codes < 0, sink, q_codes.long()) + offsets).reshape(-1)
+    k_rows = (torch.where(k_codes < 0, sink, k_codes.long()) + offsets).reshape(-1)
+    if rows <= q_codes.shape[1] + k_codes.shape[1]:
+        return q_rows, k_rows, offsets.numel() * rows, offsets.reshape(-1) + sink
+    used, inverse = torch.unique(torch.cat([k_rows, q_rows]), return_inverse=True)
+    sinks = torch.nonzero(used % rows == sink).reshape(-1)
+    return inverse[k_rows.numel() :], inverse[: k_rows.numel()], used.numel(), sinks
+
+
+def _table_height(rows: int, nq: int, nk: int) -> int:
+    """Rows one batch·head's table needs: 2^τ + 1, or at most the tokens when renumbered."""
+    return min(rows, nq + nk)
+
+
+def _check_cumulate_args(q_codes, k_codes, v, hash_bits, q_w=None, k_w=None) -> None:
+    """ValueError naming the first way the arguments break the cumulation contract."""
+    if not isinstance(hash_bits, int) or not 1 <= hash_bits <= MAX_HASH_BITS:
+        raise ValueError(f"hash_bits must be an int in 1..{MAX_HASH_BITS}, got {hash_bits!r}")
+    for name, codes in (("q_codes", q_codes), ("k_codes", k_codes)):
+        if codes.dtype != torch.int32 or codes.dim() != 3:
+            raise ValueError(f"{name} must be (BH, m, N) int32, got {tuple(codes.shape)} {codes.dtype}")
+        if codes.numel() and int(codes.max()) >= 1 << hash_bits:
+            raise ValueError(f"{name} holds a code ≥ 2**hash_bits = {1 << hash_bits}")
+    bh, hashes, nq = q_codes.shape
+    if k_codes.shape[:2] != (bh, hashes) or hashes == 0:
+        raise ValueError(f"q_codes {tuple(q_codes.shape)} and k_codes {tuple(k_codes.shape)} need one BH and m ≥ 1")
+    rows = {"v": (v, k_codes.shape[2]), "q_w": (q_w, nq), "k_w": (k_w, k_codes.shape[2])}
+    for name, (x, length) in rows.items():
+        if x is not None and (x.dtype != torch.float32 or x.dim() != 3 or x.shape[:2] != (bh, length)):
+            raise ValueError(f"{name} must be ({bh}, {length}, D) float32, got {tuple(x.shape)} {x.dtype}")
+    if q_w is not None and q_w.shape[2] != k_w.shape[2]:
+        raise ValueError(f"q_w and k_w must share Dw, got {q_w.shape[2]} and {k_w.shape[2]}")
+
+
+def lsh_cumulate(q_codes: torch.Tensor, k_codes: torch.Tensor, v: torch.Tensor, hash_bits: int) -> torch.Tensor:
+    """Bucket cumulation (eq. 9–10) averaged over hashes.
+
+    q_codes: (BH, m, Nq) int32, k_codes: (BH, m, Nk) int32, negative = masked; v: (BH, Nk, Dv) fp32.
+    Returns (BH, Nq, Dv) fp32: out[i] = (1/m) Σ_h Σ_j [k_codes[h, j] == q_codes[h, i]] v[j].
+    Memory: one (BH, min(2^τ + 1, Nq + Nk), Dv) table reused per hash, never (N, m, Dv).
+    """
+    _check_cumulate_args(q_codes, k_codes, v, hash_bits)
+    bh, hashes, nq = q_codes.shape
+    nk, dv = v.shape[1], v.shape[2]
+    rows = (1 << hash_bits) + 1  # the last row is a sink for masked codes, zeroed before reading
+    out = torch.zeros(bh, nq, dv, dtype=torch.float32, device=v.device)
+    chunk = max(1, _CHUNK_BUDGET // (_table_height(rows, nq, nk) * dv))
+    for start in range(0, bh, chunk):
+        stop = min(bh, start + chunk)
+        offsets = torch.arange(stop - start, device=v.device)[:, None] * rows  # (n, 1)
+        values = v[start:stop].reshape(-1, dv)  # (n·Nk, Dv)
+        table = torch.empty((stop - start) * _table_height(rows, nq, nk), dv, dtype=torch.float32, device=v.device)
+        picked = torch.empty((stop - start) * nq, dv, dtype=torch.float32, device=v.device)
+        for h in range(hashes):
+            q_rows, k_rows, height, sinks = _hash_rows(q_codes[start:stop, h], k_codes[start:stop, h], rows, offsets)
+            table[:height].zero_()
+            table.index_add_(0, k_rows, values)
+            table.index_fill_(0, sinks, 0.0)
+            # out= reuses one buffer: a fresh allocation per hash costs more than the gather
+            torch.index_select(table, 0, q_rows, out=picked)
+            out[start:stop] += picked.view(stop - start, nq, dv)
+    return out.div_(hashes)
+
+
+def lsh_weighted_cumulate(
+    q_codes: torch.Tensor,
+    k_codes: torch.Tensor,
+    q_w: torch.Tensor,
+    k_w: torch.Tensor,
+    v: torch.Tensor,
+    hash_bits: int,
+) -> torch.Tensor:
+    """Weighted bucket cumulation for the backward of eq. 13–14.
+
+    q_codes: (BH, m, Nq) int32, k_codes: (BH, m, Nk) int32 (negative = masked);
+    q_w: (BH, Nq, Dw), k_w: (BH, Nk, Dw), v: (BH, Nk, Dv), all fp32.
+    Returns (BH, Nq, Dv) fp32: out[i] = (1/m) Σ_h Σ_j [codes equal] (q_w[i]·k_w[j]) v[j].
+    Each bucket holds Σ_j k_w[j] ⊗ v[j] (a Dw×Dv table), so the cost is linear in N.
+    """
+    _check_cumulate_args(q_codes, k_codes, v, hash_bits, q_w, k_w)
+    bh, hashes, nq = q_codes.shape
+    nk, dw, dv = v.shape[1], q_w.shape[2], v.shape[2]
+    rows = (1 << hash_bits) + 1
+    width = dw * dv
+    out = torch.zeros(bh, nq, dv, dtype=torch.float32, device=v.device)
+    chunk = max(1, _CHUNK_BUDGET // (max(_table_height(rows, nq, nk), nk, nq) * width))
+    for start in range(0, bh, chunk):
+        stop = min(bh, start + chunk)
+        n = stop - start
+        offsets = torch.arange(n, device=v.device)[:, None] * rows
+        outer = (k_w[start:stop, :, :, None] * v[start:stop, :, None, :]).reshape(n * nk, width)
+        table = torch.empty(n * _table_height(rows, nq, nk), width, dtype=torch.float32, device=v.device)
+        picked = torch.empty(n * nq, width, dtype=torch.float32, device=v.device)
+        left = q_w[start:stop].reshape(n * nq, 1, dw)
+        for h in range(hashes):
+            q_rows, k_rows, height, sinks = _hash_rows(q_codes[start:stop, h], k_codes[start:stop, h], rows, offsets)
+            table[:height].zero_()
+            table.index_add_(0, k_rows, outer)
+            table.index_fill_(0, sinks, 0.0)
+            torch.index_select(table, 0, q_rows, out=picked)
+            out[start:stop] += torch.bmm(left, picked.view(n * nq, dw, dv)).view(n, nq, dv)
+    return out.div_(hashes)
+
+
+def _kernels(backend: str, device: torch.device) -> tuple[Callable, Callable]:
+    """(lsh_cumulate, lsh_weighted_cumulate) implementing backend; ValueError if unavailable."""
+    if backend == "cuda":
+        raise ValueError("backend 'cuda' is not available: no CUDA kernel is built in this package")
+    if backend == "torch" or (backend == "auto" and device.type != "cpu"):
+        return lsh_cumulate, lsh_weighted_cumulate
+    from . import _build
+
+    ext = _build.cpu_extension()
+    if ext is None:
+        if backend == "cpp":
+            raise ValueError(f"backend 'cpp' is not available: {_build.backend_info().get('reason', 'not built')}")
+        return lsh_cumulate, lsh_weighted_cumulate
+    if device.type != "cpu":
+        raise ValueError(f"backend 'cpp' needs CPU tensors, got device {device}")
+    return ext.lsh_cumulate, ext.lsh_weighted_cumulate
+
+
+class YosoLSHFn(torch.autograd.Function):
+    """B(q̂, k̂)·V from fixed hash codes, with the paper's LSH-estimated backward.
+
+    forward(q, k, v, q_codes, k_codes, hash_bits, kernels): q, k: (BH, N, D) fp32 unit rows,
+    v: (BH, N, Dv) fp32 contiguous, codes: (BH, m, N) int32 (negative = masked), kernels: the
+    (lsh_cumulate, lsh_weighted_cumulate) pair from :func:`_kernels` → (BH, N, Dv) fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_codes, k_codes, hash_bits, kernels):
+        ctx.save_for_backward(q, k, v, q_codes, k_codes)
+        ctx.hash_bits, ctx.kernels = hash_bits, kernels
+        return kernels[0](q_codes, k_codes, v, hash_bits)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, q_codes, k_codes = ctx.saved_tensors
+        cumulate, weighted = ctx.kernels
+        grad_out = grad_out.float().contiguous()
+        half_tau = ctx.hash_bits / 2
+        grad_q = grad_k = grad_v = None
+        if ctx.needs_input_grad[2]:  # eq. 11: the role-swapped cumulation B(K, Q)·dO
+            grad_v = cumulate(k_codes, q_codes, grad_out, ctx.hash_bits)
+        if ctx.needs_input_grad[0]:  # eq. 14: Σ_j B_ij (dO_i·V_j) k̂_j
+            grad_q = weighted(q_codes, k_codes, grad_out, v, k, ctx.hash_bits).mul_(half_tau)
+        if ctx.needs_input_grad[1]:  # the same with the roles of queries and keys swapped
+            grad_k = weighted(k_codes, q_codes, v, grad_out, q, ctx.hash_bits).mul_(half_tau)
+        return grad_q, grad_k, grad_v, None, None, None, None
+
+
+def collision_probability(q: torch.Tensor, k: torch.Tensor, hash_bits: int) -> torch.Tensor:
+    """E[B] (eq. 6): q (..., Nq, D), k (..., Nk, D) fp32 unit rows → (..., Nq, Nk) fp32."""
+    cosine = torch.matmul(q, k.transpose(-1, -2)).clamp_(-1.0, 1.0)
+    return (1.0 - torch.arccos(cosine) / math.pi) ** hash_bits
+
+
+class YosoExactFn(torch.autograd.Function):
+    """YOSO-E: E[B]·V computed exactly in query chunks, lower-bound backward (eq. 13) exact.
+
+    forward(q, k, v, keep, hash_bits): q, k: (BH, N, D) fp32 unit rows, v: (BH, N, Dv) fp32,
+    keep: (BH, N) fp32 0/1 (0 = padded key and query) → (BH, N, Dv) fp32.
+    """
+
+    @staticmethod
+    def _chunks(q: torch.Tensor, k: torch.Tensor):
+        step = max(1, _CHUNK_BUDGET // (q.shape[0] * k.shape[1]))
+        return [slice(s, min(s + step, q.shape[1])) for s in range(0, q.shape[1], step)]
+
+    @staticmethod
+    def forward(ctx, q, k, v, keep, hash_bits):
+        ctx.save_for_backward(q, k, v, keep)
+        ctx.hash_bits = hash_bits
+        out = torch.empty(v.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
+        for rows in YosoExactFn._chunks(q, k):
+            weights = collision_probability(q[:, rows], k, hash_bits) * keep[:, None, :]
+            out[:, rows] = torch.matmul(weights, v)
+        return out.mul_(keep[..., None])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, keep = ctx.saved_tensors
+        grad_out = grad_out.float() * keep[..., None]  # padded queries' outputs are constant zeros
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rows in YosoExactFn._chunks(q, k):
+            weights = collision_probability(q[:, rows], k, ctx.hash_bits) * keep[:, None, :]
+            g = grad_out[:, rows]  # (BH, c, Dv)
+            grad_v += torch.matmul(weights.transpose(1, 2), g)
+            scaled = torch.matmul(g, v.transpose(1, 2)).mul_(weights).mul_(ctx.hash_bits / 2)  # (BH, c, N)
+            grad_q[:, rows] = torch.matmul(scaled, k)
+            grad_k += torch.matmul(scaled.transpose(1, 2), q[:, rows])
+        return grad_q, grad_k, grad_v, None, None
+
+
+def _check_args(q, k, v, key_mask, num_hashes, hash_bits, seed, backend) -> None:
+    """ValueError naming the first problem with the arguments of yoso_attention(_ref)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_input(x, name)
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(
+            "q, k and v must have the same shape (B, H, N, D), "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if isinstance(num_hashes, bool) or not isinstance(num_hashes, int) or num_hashes < 0:
+        raise ValueError(f"num_hashes must be an int ≥ 0 (0 = exact YOSO-E), got {num_hashes!r}")
+    if isinstance(hash_bits, bool) or not isinstance(hash_bits, int) or not 1 <= hash_bits <= MAX_HASH_BITS:
+        raise ValueError(f"hash_bits must be an int in 1..{MAX_HASH_BITS}, got {hash_bits!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if key_mask is None:
+        return
+    if not isinstance(key_mask, torch.Tensor):
+        raise ValueError(f"key_mask must be a torch.Tensor or None, got {type(key_mask).__name__}")
+    if tuple(key_mask.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(f"key_mask must have shape (B, N) = {(q.shape[0], q.shape[2])}, got {tuple(key_mask.shape)}")
+    if key_mask.device != q.device:
+        raise ValueError(f"key_mask must be on {q.device}, got {key_mask.device}")
+    if key_mask.dtype != torch.bool and not bool(((key_mask == 0) | (key_mask == 1)).all()):
+        raise ValueError("key_mask must be bool or hold only 0 and 1")
+
+
+def _prepare(q, k, v, key_mask):
+    """Unit q̂, k̂ and fp32 v flattened to (BH, N, D), and keep (BH, N) fp32 0/1."""
+    batch, heads, length, _ = q.shape
+    keep = torch.ones(batch, length, dtype=torch.float32, device=q.device)
+    if key_mask is not None:
+        keep = key_mask.to(torch.float32)
+    keep = keep[:, None, :].expand(batch, heads, length).reshape(batch * heads, length)
+    q_hat = F.normalize(q.float(), dim=-1)
+    k_hat = F.normalize(k.float(), dim=-1)
+    return q_hat, k_hat, v.float(), keep
+
+
+def yoso_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    *,
+    num_hashes: int = 32,
+    hash_bits: int = 8,
+    seed: int = 0,
+    exact: bool = False,
+    fast_hash: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """YOSO attention, un-normalised: B(q̂, k̂)·V.
+
+    q, k, v: (B, H, N, D) fp32|fp16|bf16, one dtype and device; key_mask: (B, N) bool or 0/1,
+    1 = real token (also masks queries: padded query rows are zero). Returns (B, H, N, D) in
+    q's dtype, computed in fp32. exact=True or num_hashes=0 → YOSO-E (O(N²), chunked);
+    otherwise the mean over num_hashes LSH samples of hash_bits bits (O(N·m)), with
+    projections seeded from (seed, head). backend: "auto" (C++ if built, else PyTorch),
+    "torch", "cpp"; exact mode always runs in PyTorch. Bad input → ValueError.
+    """
+    _check_args(q, k, v, key_mask, num_hashes, hash_bits, seed, backend)
+    batch, heads, length, dim = q.shape
+    q_hat, k_hat, values, keep = _prepare(q, k, v, key_mask)
+    kernels = _kernels(backend, q.device)  # an unavailable backend fails in every mode, before any work
+    flat = (batch * heads, length, dim)
+    # the C++ kernels take contiguous (BH, N, D) rows; a transposed (B, N, H, D) input is not
+    q_flat, k_flat, v_flat = (t.reshape(flat).contiguous() for t in (q_hat, k_hat, values))
+    if exact or num_hashes == 0:
+        out = YosoExactFn.apply(q_flat, k_flat, v_flat, keep, hash_bits)
+    else:
+        args = dict(num_hashes=num_hashes, hash_bits=hash_bits, seed=seed, fast_hash=fast_hash)
+        masked = (keep == 0)[:, None, :]  # (BH, 1, N)
+        q_codes = hash_codes(q_hat.detach(), **args).view(batch * heads, num_hashes, length).masked_fill(masked, -1)
+        k_codes = hash_codes(k_hat.detach(), **args).view(batch * heads, num_hashes, length).masked_fill(masked, -1)
+        out = YosoLSHFn.apply(
+            q_flat,
+            k_flat,
+            v_flat,
+            q_codes,
+            k_codes,
+            hash_bits,
+            kernels,
+        )
+    return out.view(batch, heads, length, dim).to(q.dtype)
+
+
+class YosoReferenceFn(torch.autograd.Function):
+    """weights·V for dense weights (BH, N, N), with the eq. 11/13 backward written densely.
+
+    forward(q, k, v, weights, hash_bits): q, k, v (BH, N, D) fp32, weights (BH, N, N) fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, weights, hash_bits):
+        ctx.save_for_backward(q, k, v, weights)
+        ctx.hash_bits = hash_bits
+        return weights @ v
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, weights = ctx.saved_tensors
+        grad_v = weights.transpose(1, 2) @ grad_out
+        scaled = (grad_out @ v.transpose(1, 2)) * weights * (ctx.hash_bits / 2)
+        return scaled @ k, scaled.transpose(1, 2) @ q, grad_v, None, None
+
+
+def yoso_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    *,
+    num_hashes: int = 32,
+    hash_bits: int = 8,
+    seed: int = 0,
+    exact: bool = False,
+    fast_hash: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Readable twin of :func:`yoso_attention` (same signature, shapes, dtypes and codes).
+
+    Builds the dense (N×N) weight matrix — E[B] in exact mode, the mean collision matrix
+    of :func:`hash_codes_ref` otherwise — zeroes padded keys and queries, and multiplies by
+    V. Backward: :class:`YosoReferenceFn` (eq. 11 and the eq. 13 lower bound, densely).
+    backend is checked but unused: this is always pure PyTorch.
+    """
+    _check_args(q, k, v, key_mask, num_hashes, hash_bits, seed, backend)
+    batch, heads, length, dim = q.shape
+    q_hat, k_hat, values, keep = _prepare(q, k, v, key_mask)
+    q_hat, k_hat, values = (t.reshape(batch * heads, length, dim) for t in (q_hat, k_hat, values))
+    if exact or num_hashes == 0:
+        weights = collision_probability(q_hat.detach(), k_hat.detach(), hash_bits)
+    else:
+        args = dict(num_hashes=num_hashes, hash_bits=hash_bits, seed=seed, fast_hash=fast_hash)
+        q_codes = hash_codes_ref(q_hat.detach().view(q.shape), **args).view(batch * heads, num_hashes, length)
+        k_codes = hash_codes_ref(k_hat.detach().view(q.shape), **args).view(batch * heads, num_hashes, length)
+        weights = torch.zeros(batch * heads, length, length, device=q.device)
+        for h in range(num_hashes):
+            weights += (q_codes[:, h, :, None] == k_codes[:, h, None, :]).float()
+        weights /= num_hashes
+    weights = weights * keep[:, :, None] * keep[:, None, :]
+    out = YosoReferenceFn.apply(q_hat, k_hat, values, weights, hash_bits)
+    return out.view(batch, heads, length, dim).to(q.dtype)
