@@ -1,0 +1,268 @@
+"""HTTP load benchmark for yoso-serve: throughput and latency percentiles over loopback.
+
+Starts its own `yoso-serve` on 127.0.0.1 (or uses --url), drives it with asyncio + httpx at
+concurrency 1, 8, 32, 64 for 128- and 2048-token inputs, and puts the engine's in-process
+throughput on the same inputs beside it (same settings, no HTTP). A second server with
+--max-batch-requests 1 gives the dynamic-batching ratio. Every cell is bounded in request count
+and in seconds, so the run stops by itself. ``--soak 300`` samples the server's RSS under load.
+
+    .venv/bin/python bench/load.py                  # full matrix
+    .venv/bin/python bench/load.py --quick          # fewer requests per cell
+    .venv/bin/python bench/load.py --soak 300       # plus a 5-minute RSS soak
+
+Prints a markdown table and writes bench/out/load.png (and load_soak.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+OUT = Path(__file__).resolve().parent / "out"
+SCRIPT = Path(sys.executable).parent / "yoso-serve"
+
+
+@dataclass
+class Cell:
+    label: str
+    tokens: int
+    concurrency: int
+    done: int
+    errors: int
+    seconds: float
+    latencies: list[float]
+
+    @property
+    def throughput(self) -> float:
+        return self.done / self.seconds if self.seconds else 0.0
+
+    def pct(self, q: float) -> float:
+        return float(np.percentile(self.latencies, q)) * 1000 if self.latencies else float("nan")
+
+
+def make_texts(n: int, tokens: int, seed: int) -> list[str]:
+    """``n`` distinct texts of exactly ``tokens`` tokens (specials included) for the default model."""
+    from yoso_serve.model import default_model_dir, load_pretrained
+
+    tok = load_pretrained(default_model_dir()).tokenizer
+    words = [w for w, _ in sorted(tok.tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+             if w.isalpha() and w.islower() and len(w) >= 3][:5000]
+    rng = np.random.default_rng(seed)
+    texts = []
+    for _ in range(n):
+        text = " ".join(rng.choice(words, tokens - 2))
+        assert len(tok.encode([text])[0]) == tokens, "word list must tokenise one token per word"
+        texts.append(text)
+    return texts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([str(SCRIPT), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                             *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(900):
+        try:
+            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not become ready")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(120)
+
+
+async def drive(send, texts: list[str], concurrency: int, max_requests: int, max_seconds: float):
+    """Run ``concurrency`` closed-loop workers until ``max_requests`` are issued or time runs out."""
+    issued, latencies, errors = 0, [], 0
+    stop_at = time.perf_counter() + max_seconds
+
+    async def worker():
+        nonlocal issued, errors
+        while issued < max_requests and time.perf_counter() < stop_at:
+            text = texts[issued % len(texts)]
+            issued += 1
+            t0 = time.perf_counter()
+            ok = await send(text)
+            if ok:
+                latencies.append(time.perf_counter() - t0)
+            else:
+                errors += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return len(latencies), errors, time.perf_counter() - start, latencies
+
+
+async def http_cell(url: str, label: str, texts, tokens, concurrency, max_requests, max_seconds) -> Cell:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=600) as client:
+        async def send(text):
+            try:
+                r = await client.post(f"{url}/embed", json={"inputs": text})
+                return r.status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        await send(texts[0])  # open a connection, skip first-request costs
+        done, errors, seconds, lat = await drive(send, texts, concurrency, max_requests, max_seconds)
+    return Cell(label, tokens, concurrency, done, errors, seconds, lat)
+
+
+async def engine_cell(texts, tokens, concurrency, max_requests, max_seconds, flags: dict) -> Cell:
+    """The same engine and settings, called in-process: the ceiling the HTTP server is held to."""
+    from yoso_serve.service import EmbedParams, ServeSettings, create_app
+
+    app = create_app(ServeSettings(**flags))
+    async with app.router.lifespan_context(app):
+        await app.state.startup
+        engine = app.state.engine
+
+        async def send(text):
+            await engine.embed(EmbedParams([text]))
+            return True
+
+        await send(texts[0])
+        done, errors, seconds, lat = await drive(send, texts, concurrency, max_requests, max_seconds)
+    return Cell("in-process", tokens, concurrency, done, errors, seconds, lat)
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+async def soak(url: str, pid: int, texts, seconds: float) -> list[tuple[float, int]]:
+    samples, start = [], time.perf_counter()
+
+    async def sample():
+        while time.perf_counter() - start < seconds:
+            samples.append((time.perf_counter() - start, rss_kib(pid)))
+            await asyncio.sleep(5)
+
+    sampler = asyncio.create_task(sample())
+    cell = await http_cell(url, "soak", texts, 128, 8, 10**9, seconds)
+    await sampler
+    print(f"soak: {cell.done} requests, {cell.errors} errors in {cell.seconds:.0f} s")
+    return samples
+
+
+def table(cells: list[Cell]) -> str:
+    rows = ["| run | tokens | concurrency | requests | errors | req/s | p50 ms | p95 ms | p99 ms |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        rows.append(f"| {c.label} | {c.tokens} | {c.concurrency} | {c.done} | {c.errors} | {c.throughput:.2f} "
+                    f"| {c.pct(50):.0f} | {c.pct(95):.0f} | {c.pct(99):.0f} |")
+    return "\n".join(rows)
+
+
+def plot(cells: list[Cell], soak_samples, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3 if soak_samples else 2, figsize=(15 if soak_samples else 10, 4))
+    for ax, tokens in zip(axes, (128, 2048)):
+        for label in ("http", "in-process", "http mbr=1"):
+            pts = sorted((c.concurrency, c.throughput) for c in cells if c.tokens == tokens and c.label == label)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set(title=f"{tokens}-token inputs", xlabel="concurrency", ylabel="requests/s", xscale="log")
+        if ax.lines:
+            ax.legend()
+    if soak_samples:
+        t, rss = zip(*soak_samples)
+        axes[2].plot(t, np.array(rss) / 1024)
+        axes[2].set(title="server RSS under load", xlabel="s", ylabel="MiB", ylim=(0, max(rss) / 1024 * 1.2))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", help="benchmark a running server instead of starting one (no batching ratio)")
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--lengths", default="128,2048")
+    p.add_argument("--requests", type=int, default=256, help="most requests per cell")
+    p.add_argument("--seconds", type=float, default=60, help="most seconds per cell")
+    p.add_argument("--quick", action="store_true", help="64 requests, 20 s per cell")
+    p.add_argument("--soak", type=float, default=0, help="seconds of RSS soak at concurrency 8 (0 = none)")
+    args = p.parse_args()
+    if args.quick:
+        args.requests, args.seconds = 64, 20.0
+    levels = [int(c) for c in args.concurrency.split(",")]
+    lengths = [int(n) for n in args.lengths.split(",")]
+    texts = {n: make_texts(64, n, seed=n) for n in lengths}
+    # A long queue is the point of the benchmark: deadlines must not turn it into 504s.
+    flags = {"max_batch_tokens": 16384, "max_batch_requests": 64, "request_timeout": 3600}
+    cells: list[Cell] = []
+
+    proc, url = (None, args.url) if args.url else start_server(
+        *(f"--{k.replace('_', '-')}={v}" for k, v in flags.items()))
+    try:
+        for n in lengths:
+            for c in levels:
+                cells.append(asyncio.run(http_cell(url, "http", texts[n], n, c, args.requests, args.seconds)))
+                print(table(cells[-1:]).splitlines()[-1], flush=True)
+        soak_samples = asyncio.run(soak(url, proc.pid, texts[128], args.soak)) if args.soak and proc else []
+    finally:
+        if proc is not None:
+            stop_server(proc)
+    if not args.url:
+        proc, url = start_server("--max-batch-requests=1", "--request-timeout=3600")
+        try:
+            cells.append(asyncio.run(http_cell(url, "http mbr=1", texts[128], 128, 32, args.requests, args.seconds)))
+        finally:
+            stop_server(proc)
+        for n in lengths:
+            cells.append(asyncio.run(engine_cell(texts[n], n, 32, args.requests, args.seconds, flags)))
+    print(table(cells))
+    ratio = {}
+    for n in lengths:
+        http32 = next((c for c in cells if c.label == "http" and c.tokens == n and c.concurrency == 32), None)
+        inproc = next((c for c in cells if c.label == "in-process" and c.tokens == n), None)
+        if http32 and inproc:
+            ratio[n] = http32.throughput / inproc.throughput
+            print(f"{n} tokens: HTTP at concurrency 32 / in-process = {ratio[n]:.2f}")
+    single = next((c for c in cells if c.label == "http mbr=1"), None)
+    batched = next((c for c in cells if c.label == "http" and c.tokens == 128 and c.concurrency == 32), None)
+    if single and batched:
+        print(f"dynamic batching (128 tokens, c=32): {batched.throughput / single.throughput:.2f}x "
+              f"max_batch_requests=1")
+    print(f"errors: {sum(c.errors for c in cells)}")
+    if soak_samples:
+        rss = np.array([r for _, r in soak_samples]) / 1024
+        half = len(rss) // 2
+        print(f"soak RSS MiB: start {rss[0]:.0f}, max {rss.max():.0f}, end {rss[-1]:.0f}, "
+              f"second-half drift {rss[-1] - rss[half]:+.0f}")
+    OUT.mkdir(exist_ok=True)
+    plot(cells, soak_samples, OUT / "load.png")
+    print(f"plot: {OUT / 'load.png'}  (machine: {os.cpu_count()} CPUs)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""FastAPI app factory and the routes. Routes are thin: parse, call the engine, shape the response."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine import Engine
+from .params import Usage
+from .errors import MalformedRequest, MethodNotAllowed, NotFound, NotReady, ServiceError, InvalidInput
+from .metrics import CONTENT_TYPE, ServiceMetrics
+from .middleware import EdgeMiddleware, error_response_parts
+from .protocol import (ClassifyRequest, EmbedAllRequest, EmbedRequest, ErrorResponse, OpenAIEmbeddingRequest,
+                       OpenAIEmbeddingResponse, ScoredLabel, Token, TokenizeRequest)
+from .settings import ServeSettings
+
+log = logging.getLogger("yoso_serve.service")
+
+VERSION = "0.1.0"
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 413, 422, 429, 503, 504)}
+
+
+def _default_loader(settings: ServeSettings) -> tuple[Callable, str]:
+    """Load from --model, or the bundled default model. Imported lazily: the model package is heavy."""
+    from yoso_serve.model import default_model_dir, load_pretrained
+
+    def load():
+        path = settings.model or default_model_dir()
+        return load_pretrained(path, device=settings.resolved_device())
+
+    name = str(settings.model) if settings.model is not None else "yoso-default"
+    return load, name
+
+
+def create_app(settings: ServeSettings | None = None, *, load_model: Callable | None = None,
+               model_name: str | None = None, on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """Build one app with its own engine and metrics registry.
+
+    ``load_model`` (tests) replaces loading from ``settings.model``; ``on_fatal`` is called when the
+    model fails to load or warm up (the CLI uses it to exit non-zero).
+    """
+    settings = settings or ServeSettings()
+    if load_model is None:
+        load_model, default_name = _default_loader(settings)
+        model_name = model_name or default_name
+    metrics = ServiceMetrics()
+    engine = Engine(settings, metrics, load_model, model_name=model_name or "model")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.startup = asyncio.create_task(engine.start())
+        app.state.startup.add_done_callback(lambda t: _report_start(t, on_fatal))
+        metrics_server = None
+        if settings.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.host,
+                                                  registry=metrics.registry)
+        try:
+            yield
+        finally:
+            engine.begin_drain()
+            if not app.state.startup.done():
+                app.state.startup.cancel()
+            await asyncio.to_thread(engine.close, settings.drain_timeout)
+            if metrics_server is not None:
+                metrics_server.shutdown()
+
+    app = FastAPI(title="yoso-serve", version=VERSION, lifespan=lifespan,
+                  description="Embeddings and classification with YOSO-attention encoders.")
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.settings = settings
+    app.add_middleware(EdgeMiddleware, api_key=settings.api_key.get_secret_value() if settings.api_key else None,
+                       payload_limit=settings.payload_limit, metrics=metrics)
+    _add_error_handlers(app)
+    _add_routes(app, engine, metrics)
+    return app
+
+
+def _report_start(task: asyncio.Task, on_fatal) -> None:
+    if task.cancelled() or task.exception() is None:
+        return
+    if on_fatal is not None:
+        on_fatal(task.exception())
+
+
+def _error(exc: ServiceError) -> Response:
+    status, headers, body = error_response_parts(exc)
+    return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in headers})
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def service_error(_: Request, exc: ServiceError) -> Response:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        bad_json = next((e for e in errors if e.get("type") == "json_invalid"), None)
+        if bad_json is not None:
+            detail = (bad_json.get("ctx") or {}).get("error", "invalid JSON")
+            return _error(MalformedRequest(f"malformed JSON body: {detail}", param="body"))
+        first = errors[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        # param names the top-level field; the message keeps the full path (union branches included)
+        return _error(InvalidInput(f"{'.'.join(loc) or 'body'}: {first.get('msg')}{more}",
+                                   param=loc[0] if loc else None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            return _error(NotFound("no such route; see /docs", code="not_found"))
+        if exc.status_code == 405:
+            return _error(MethodNotAllowed("method not allowed on this route; see /docs"))
+        if exc.status_code == 400:
+            return _error(MalformedRequest(str(exc.detail)))
+        response = _error(ServiceError(str(exc.detail), code=str(exc.status_code)))
+        response.status_code = exc.status_code
+        return response
+
+
+def _timing_headers(usage: Usage) -> dict[str, str]:
+    return {"x-compute-tokens": str(usage.tokens), "x-hashes": str(usage.hashes),
+            "x-tokenization-time": f"{usage.tokenize_ms:.2f}", "x-queue-time": f"{usage.queue_ms:.2f}",
+            "x-inference-time": f"{usage.inference_ms:.2f}"}
+
+
+def _json(payload, usage: Usage | None = None, status: int = 200) -> Response:
+    return Response(json.dumps(payload, separators=(",", ":")), status_code=status,
+                    media_type="application/json", headers=_timing_headers(usage) if usage else None)
+
+
+def _watch(request: Request):
+    """An awaitable factory that completes when the client disconnects (the body is already read)."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return disconnected
+
+
+def _add_routes(app: FastAPI, engine: Engine, metrics: ServiceMetrics) -> None:
+    @app.post("/embed", response_model=list[list[float]], responses=_ERRORS)
+    async def embed(body: EmbedRequest, request: Request) -> Response:
+        out = await engine.embed(body.to_params(), _watch(request))
+        return _json(out.value.tolist(), out.usage)
+
+    @app.post("/embed_all", response_model=list[list[list[float]]], responses=_ERRORS)
+    async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
+        out = await engine.embed_all(body.to_params(), _watch(request))
+        return _json([states.tolist() for states in out.value], out.usage)
+
+    @app.post("/classify", response_model=list[list[ScoredLabel]], responses=_ERRORS)
+    async def classify(body: ClassifyRequest, request: Request) -> Response:
+        out = await engine.classify(body.to_params(), _watch(request))
+        return _json([[{"label": label, "score": score} for label, score in row] for row in out.value],
+                     out.usage)
+
+    @app.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=_ERRORS)
+    async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> Response:
+        out = await engine.embed(body.to_params(), _watch(request))
+        if body.encoding_format == "base64":  # OpenAI's encoding: little-endian float32 bytes
+            data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in out.value]
+        else:
+            data = out.value.tolist()
+        return _json({"object": "list", "model": body.model or engine.model_name,
+                      "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
+                      "usage": {"prompt_tokens": out.usage.tokens, "total_tokens": out.usage.tokens}},
+                     out.usage)
+
+    @app.post("/tokenize", response_model=list[list[Token]], responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return _json(await engine.tokenize(body.texts(), body.add_special_tokens))
+
+    @app.get("/info")
+    async def info() -> Response:
+        return _json({**engine.info(), "version": VERSION})
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        if engine.state == "failed":
+            return _error(NotReady(f"model failed to load ({engine.failure})"))
+        return _json({"status": "ok"})
+
+    @app.get("/ready", responses={503: {"model": ErrorResponse}})
+    async def ready() -> Response:
+        if engine.state != "ready":
+            return _error(NotReady(f"not ready: {engine.state}"))
+        return _json({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+

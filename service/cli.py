@@ -1,0 +1,86 @@
+"""``yoso-serve``: parse flags (each also ``YOSO_<NAME>``), validate, run uvicorn with a graceful drain.
+
+SIGTERM/SIGINT: the engine stops taking work at once (/ready and new requests → 503), uvicorn stops
+accepting connections and waits up to --drain-timeout for accepted requests, then the lifespan
+shutdown runs what is still queued and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import typing
+
+import uvicorn
+from pydantic import ValidationError
+
+from .settings import ServeSettings, describe_errors, env_name, flag_name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="yoso-serve", description="Serve a YOSO encoder over HTTP. Every flag is also an env var "
+        "YOSO_<NAME> (flags win). See docs/configuration.md.")
+    for name, field in ServeSettings.model_fields.items():
+        default = "model's" if field.default is None else field.default
+        help_text = f"{field.description} [env {env_name(name)}; default {default}]"
+        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
+        if field.annotation is bool:
+            parser.add_argument(flag_name(name), action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag_name(name), default=argparse.SUPPRESS, choices=choices,
+                                metavar=name.upper(), help=help_text.replace("%", "%%"))
+    return parser
+
+
+def load_settings(argv: list[str] | None = None) -> ServeSettings:
+    """Flags over env over defaults; exits 2 with a how-to-fix message when something is wrong."""
+    given = vars(build_parser().parse_args(argv))
+    try:
+        return ServeSettings(**given)
+    except ValidationError as err:
+        print(f"yoso-serve: {describe_errors(err)}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, told to flip the engine to draining the moment a signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, engine) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.exit_code = 0
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.begin_drain()
+        super().handle_exit(sig, frame)
+
+    def fatal(self, exc: BaseException) -> None:
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = load_settings(argv)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("yoso_serve.service")
+    shown = settings.model_dump(exclude={"api_key"}, mode="json")
+    log.info("settings: %s, api_key %s", shown, "set" if settings.api_key else "not set")
+
+    from .app import create_app
+
+    holder: dict = {}
+    app = create_app(settings, on_fatal=lambda exc: holder["server"].fatal(exc))
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=int(settings.drain_timeout), lifespan="on")
+    server = holder["server"] = _DrainingServer(config, app.state.engine)
+    # uvicorn re-raises the caught signal after a graceful shutdown; a no-op handler makes that
+    # re-raise harmless so a clean drain exits 0 (what orchestrators expect) instead of -15.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    sys.exit(server.exit_code)

@@ -1,0 +1,381 @@
+"""The engine: plain parameters in, arrays out. Tokenise → queue → batch → forward → split.
+
+The app hands the engine dataclasses (never pydantic objects); the engine raises the typed errors
+of :mod:`errors`. Tokenisation runs in a small thread pool so it never blocks the event loop; the
+model runs on the scheduler's worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Awaitable, Callable
+
+import numpy as np
+import torch
+
+from .errors import ClientGone, InvalidInput, NotReady
+from .metrics import ServiceMetrics
+from .params import ClassifyParams, EmbedParams, HiddenParams, Output, Usage
+from .scheduler import BatchScheduler, WorkItem
+from .settings import ServeSettings
+
+log = logging.getLogger("yoso_serve.service")
+
+# Zero-shot classification: cosine similarities are scaled by 1/0.05 before the softmax (the
+# temperature contrastive sentence encoders are trained with), and for multi-label each label is
+# sigmoid(20 * (cos - 0.3)): a cosine of 0.3 (typical "related" for MiniLM-style encoders) scores 0.5.
+ZERO_SHOT_SCALE = 20.0
+ZERO_SHOT_THRESHOLD = 0.3
+
+WARMUP_TEXT = "warm-up"
+
+
+Watch = Callable[[], Awaitable[object]]  # completes when the client disconnects
+
+
+def chunk_windows(n_tokens: int, window: int, overlap: int) -> list[tuple[int, int, int]]:
+    """Split ``n_tokens`` content tokens into ``(start, stop, weight)`` windows of at most ``window``
+    tokens, neighbours sharing ``overlap``. ``weight`` counts the tokens a window adds that no
+    earlier window had, so the weights sum to ``n_tokens`` (overlap counted once)."""
+    if not 0 <= overlap < window:
+        raise ValueError(f"chunk overlap {overlap} must be in [0, window {window})")
+    windows, start, covered = [], 0, 0
+    while True:
+        stop = min(start + window, n_tokens)
+        windows.append((start, stop, stop - covered))
+        covered = stop
+        if stop >= n_tokens:
+            return windows
+        start = stop - overlap
+
+
+class Engine:
+    """Serves one model. ``load_model()`` (called on a worker thread at start) returns an
+    ``EncoderModel`` (see yoso_serve.model); ``settings`` sets every limit."""
+
+    def __init__(self, settings: ServeSettings, metrics: ServiceMetrics,
+                 load_model: Callable[[], torch.nn.Module], *, model_name: str) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.model_name = model_name
+        self._load_model = load_model
+        self.model = None
+        self.state = "loading"  # loading → ready → draining; or failed
+        self.failure: str | None = None
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="yoso-tokenize")
+        self.scheduler: BatchScheduler | None = None
+        self.backend: dict = {}
+
+    # --- life cycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load weights, start the batching loop, run one warm-up batch, then become ready."""
+        try:
+            await asyncio.to_thread(self._load)
+            if self.state == "draining":  # SIGTERM while loading: nothing to warm up for
+                return
+            out = await self.embed(EmbedParams([WARMUP_TEXT]), warmup=True)
+            if not np.isfinite(out.value).all():
+                raise ValueError("warm-up embedding is not finite; the weights are broken")
+        except NotReady:
+            if self.state == "draining":
+                return
+            raise
+        except Exception as exc:
+            self.state, self.failure = "failed", f"{type(exc).__name__}: {exc}"
+            log.exception("model failed to start")
+            raise
+        if self.state != "loading":
+            return
+        self.state = "ready"
+        self.metrics.ready.set(1)
+        log.info("ready: %s on %s, %d hashes, backend %s", self.model_name, self.device,
+                 self.default_hashes, self.backend.get("backend"))
+
+    def _load(self) -> None:
+        from yoso_serve.kernels import backend_info
+
+        s = self.settings
+        if s.threads is not None:
+            torch.set_num_threads(s.threads)
+        self.device = s.resolved_device()
+        model = self._load_model()
+        cfg = model.config
+        if model.tokenizer is None:
+            raise ValueError("the model directory has no tokenizer (tokenizer.json or vocab.txt)")
+        if s.max_input_length is not None and s.max_input_length > cfg.max_position_embeddings:
+            raise ValueError(f"--max-input-length {s.max_input_length} is above the model's "
+                             f"max_position_embeddings {cfg.max_position_embeddings}; lower it")
+        self.max_length = min(s.max_input_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        if self.max_length > s.max_batch_tokens:
+            raise ValueError(f"--max-batch-tokens {s.max_batch_tokens} is below the input limit "
+                             f"{self.max_length}; raise it or lower --max-input-length")
+        self.window = self.max_length - model.tokenizer.num_special_tokens
+        if s.chunk_overlap >= self.window:
+            raise ValueError(f"--chunk-overlap {s.chunk_overlap} must be below the window of "
+                             f"{self.window} tokens; lower it")
+        self.default_hashes = s.hashes if s.hashes is not None else cfg.default_hashes
+        if self.default_hashes > s.max_hashes:
+            raise ValueError(f"the model's default hash count {self.default_hashes} is above "
+                             f"--max-hashes {s.max_hashes}; raise --max-hashes or set --hashes")
+        self.model = model.to(self.device).eval()
+        self.backend = backend_info()
+        self.metrics.set_model_info(model=self.model_name, hashes=self.default_hashes,
+                                    backend=str(self.backend.get("backend")), device=self.device,
+                                    runtime=s.runtime)
+        self.scheduler = BatchScheduler(
+            self._forward, max_batch_tokens=s.max_batch_tokens, max_batch_requests=s.max_batch_requests,
+            max_wait_ms=s.max_wait_ms, max_queue_tokens=s.max_queue_tokens, metrics=self.metrics)
+        self.scheduler.start()
+
+    def begin_drain(self) -> None:
+        """SIGTERM: not ready any more and no new work; what is queued still runs."""
+        if self.state in ("loading", "ready"):
+            self.state = "draining"
+        self.metrics.ready.set(0)
+        if self.scheduler is not None:
+            self.scheduler.stop_accepting()
+
+    def close(self, timeout: float) -> None:
+        self.begin_drain()
+        if self.scheduler is not None:
+            self.scheduler.close(timeout)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- public calls -----------------------------------------------------------------
+    async def embed(self, p: EmbedParams, watch: Watch | None = None, *, warmup: bool = False) -> Output:
+        """Pooled embeddings (n, d) float32, normalised if asked, chunked long inputs combined."""
+        self._check_open(warmup)
+        hashes = self._hashes(p.hashes)
+        self._check_texts(p.texts)
+        if p.dimensions is not None and not 1 <= p.dimensions <= self.model.config.hidden_size:
+            raise InvalidInput(f"dimensions must be in [1, {self.model.config.hidden_size}] (the "
+                               f"model's hidden size), got {p.dimensions}", param="dimensions")
+        t0 = time.monotonic()
+        pieces = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
+        usage = Usage(hashes=hashes, tokenize_ms=1000 * (time.monotonic() - t0))
+        flat = [(i, ids, w) for i, windows in enumerate(pieces) for ids, w in windows]
+        rows = await self._run([ids for _, ids, _ in flat], hashes, "embed", p.pooling, usage, watch)
+        vectors = np.zeros((len(p.texts), rows[0].shape[0]), dtype=np.float32)
+        weights = np.zeros(len(p.texts), dtype=np.float32)
+        for (i, _, w), row in zip(flat, rows):
+            vectors[i] += w * row
+            weights[i] += w
+        vectors /= weights[:, None]
+        if p.dimensions is not None:
+            vectors = np.ascontiguousarray(vectors[:, : p.dimensions])
+        if p.normalize:
+            vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        return Output(vectors, usage)
+
+    async def embed_all(self, p: HiddenParams, watch: Watch | None = None) -> Output:
+        """Last hidden states per input: a list of (n_tokens_i, d) float32 arrays."""
+        self._check_open()
+        hashes = self._hashes(p.hashes)
+        self._check_texts(p.texts)
+        if p.long_input == "chunk":
+            raise InvalidInput("long_input='chunk' is only for pooled embeddings (/embed); use "
+                               "'truncate' or 'error' here", param="long_input")
+        t0 = time.monotonic()
+        pieces = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
+        usage = Usage(hashes=hashes, tokenize_ms=1000 * (time.monotonic() - t0))
+        rows = await self._run([w[0][0] for w in pieces], hashes, "hidden", None, usage, watch)
+        return Output(rows, usage)
+
+    async def classify(self, p: ClassifyParams, watch: Watch | None = None) -> Output:
+        """Per input, ``[(label, score), ...]`` sorted by score, highest first."""
+        self._check_open()
+        if p.labels is None:
+            return await self._classify_head(p, watch)
+        if not p.labels or any(not label.strip() for label in p.labels) or len(set(p.labels)) != len(p.labels):
+            raise InvalidInput("labels must be a non-empty list of distinct, non-blank strings",
+                               param="labels")
+        if len(p.labels) > self.settings.max_client_batch_size:
+            raise InvalidInput(f"{len(p.labels)} labels is above max_client_batch_size "
+                               f"{self.settings.max_client_batch_size}", param="labels")
+        self._check_texts(p.texts)
+        texts = await self.embed(EmbedParams(p.texts, truncation_direction=p.truncation_direction,
+                                             hashes=p.hashes, long_input=p.long_input), watch)
+        labels = await self.embed(EmbedParams(list(p.labels), hashes=p.hashes), watch)
+        sims = texts.value @ labels.value.T  # (n_texts, n_labels) cosines: both sides normalised
+        if p.raw_scores:
+            scores = sims
+        elif p.multi_label:
+            scores = 1.0 / (1.0 + np.exp(-ZERO_SHOT_SCALE * (sims - ZERO_SHOT_THRESHOLD)))
+        else:
+            scores = _softmax(ZERO_SHOT_SCALE * sims)
+        usage = texts.usage
+        usage.tokens += labels.usage.tokens
+        usage.inference_ms += labels.usage.inference_ms
+        return Output(_ranked(scores, list(p.labels)), usage)
+
+    async def _classify_head(self, p: ClassifyParams, watch: Watch | None) -> Output:
+        if not self.model.has_classifier:
+            raise InvalidInput("this model has no classification head; pass `labels` to classify "
+                               "zero-shot by embedding similarity", param="labels")
+        hashes = self._hashes(p.hashes)
+        self._check_texts(p.texts)
+        if p.long_input == "chunk":
+            raise InvalidInput("long_input='chunk' is not supported with a classification head; "
+                               "use 'truncate' or 'error'", param="long_input")
+        t0 = time.monotonic()
+        pieces = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
+        usage = Usage(hashes=hashes, tokenize_ms=1000 * (time.monotonic() - t0))
+        logits = np.stack(await self._run([w[0][0] for w in pieces], hashes, "classify", None, usage, watch))
+        if p.raw_scores:
+            scores = logits
+        elif p.multi_label:
+            scores = 1.0 / (1.0 + np.exp(-logits))
+        else:
+            scores = _softmax(logits)
+        id2label = self.model.id2label
+        return Output(_ranked(scores, [id2label.get(i, str(i)) for i in range(logits.shape[1])]), usage)
+
+    async def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[dict]]:
+        """Per input, its tokens: ``{id, text, start, stop, special}`` (offsets in characters)."""
+        self._check_open()
+        self._check_texts(texts)
+        tok = self.model.tokenizer
+        specials = set(tok.wrap([]))
+        encoded = await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, lambda: tok.encode_with_offsets(texts, add_special_tokens))
+        out = []
+        for text, (ids, offsets) in zip(texts, encoded):
+            names = tok.decode_tokens(ids)
+            out.append([{"id": i, "text": name if (special := i in specials and (a, b) == (0, 0))
+                         else text[a:b], "start": a, "stop": b, "special": special}
+                        for i, name, (a, b) in zip(ids, names, offsets)])
+        return out
+
+    def info(self) -> dict:
+        cfg = self.model.config if self.model is not None else None
+        s = self.settings
+        return {
+            "model": self.model_name,
+            "state": self.state,
+            "config": None if cfg is None else {
+                k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                             "max_position_embeddings", "num_hash", "hash_code_len",
+                                             "use_expectation", "pooling", "attention_type")},
+            "max_input_length": getattr(self, "max_length", None),
+            "default_hashes": getattr(self, "default_hashes", None),
+            "max_hashes": s.max_hashes,
+            "has_classifier": None if cfg is None else self.model.has_classifier,
+            "labels": None if cfg is None else list(self.model.id2label.values()),
+            "backend": self.backend,
+            "device": getattr(self, "device", None),
+            "runtime": s.runtime,
+            "limits": {k: getattr(s, k) for k in (
+                "max_batch_tokens", "max_batch_requests", "max_wait_ms", "max_queue_tokens",
+                "max_client_batch_size", "payload_limit", "request_timeout", "chunk_overlap")},
+        }
+
+    # --- internals --------------------------------------------------------------------
+    def _check_open(self, warmup: bool = False) -> None:
+        if self.state == "ready" or (warmup and self.state == "loading" and self.scheduler is not None):
+            return
+        reason = {"loading": "model is loading", "draining": "server is shutting down",
+                  "failed": f"model failed to load ({self.failure})"}[self.state]
+        raise NotReady(f"{reason}; retry later or on another replica")
+
+    def _hashes(self, requested: int | None) -> int:
+        hashes = self.default_hashes if requested is None else requested
+        if not 0 <= hashes <= self.settings.max_hashes:
+            raise InvalidInput(f"hashes must be in [0, {self.settings.max_hashes}] (max_hashes), "
+                               f"got {hashes}", param="hashes")
+        return hashes
+
+    def _check_texts(self, texts: list[str]) -> None:
+        if not texts:
+            raise InvalidInput("inputs must not be empty", param="inputs")
+        if len(texts) > self.settings.max_client_batch_size:
+            raise InvalidInput(f"{len(texts)} inputs is above max_client_batch_size "
+                               f"{self.settings.max_client_batch_size}; split the request", param="inputs")
+        if any(not t for t in texts):
+            raise InvalidInput("inputs must not contain empty strings", param="inputs")
+        if self.settings.log_texts:
+            log.info("inputs: %r", texts)
+
+    async def _tokenize(self, texts: list[str], side: str, long_input: str) -> list[list[tuple[list[int], int]]]:
+        """Per text, its windows ``(ids with specials, weight)``: one window unless chunked."""
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        pieces = await loop.run_in_executor(self._tokenize_pool, self._split, texts, side, long_input)
+        self.metrics.tokenize_duration.observe(time.monotonic() - t0)
+        for windows in pieces:
+            for ids, _ in windows:
+                self.metrics.input_length.observe(len(ids))
+        return pieces
+
+    def _split(self, texts: list[str], side: str, long_input: str) -> list[list[tuple[list[int], int]]]:
+        tok = self.model.tokenizer
+        if long_input == "truncate":
+            return [[(ids, len(ids))] for ids in tok.encode(texts, max_length=self.max_length,
+                                                             truncation_side=side)]
+        bare = tok.encode(texts, add_special_tokens=False)
+        out = []
+        for i, ids in enumerate(bare):
+            n = len(ids) + tok.num_special_tokens
+            if n > self.max_length and long_input == "error":
+                raise InvalidInput(f"input {i} has {n} tokens, above the limit of {self.max_length}; "
+                                   "shorten it or send long_input='truncate' or 'chunk'", param="inputs")
+            out.append([(tok.wrap(ids[a:b]), w) for a, b, w in
+                        chunk_windows(len(ids), self.window, self.settings.chunk_overlap)])
+        return out
+
+    async def _run(self, seqs: list[list[int]], hashes: int, kind: str, pooling: str | None,
+                   usage: Usage, watch: Watch | None) -> list[np.ndarray]:
+        """Queue one item per sequence, wait for all (or the client leaving), fill ``usage``."""
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.settings.request_timeout
+        items = [WorkItem(ids, hashes, kind, pooling, deadline, loop.create_future(), loop) for ids in seqs]
+        self.scheduler.submit(items)
+        gathered = asyncio.gather(*(it.future for it in items), return_exceptions=True)
+        if watch is not None:
+            watcher = asyncio.ensure_future(watch())
+            await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not gathered.done():
+                self.scheduler.cancel(items)
+                raise ClientGone("client disconnected")
+            watcher.cancel()
+        results = await gathered
+        for r in results:
+            if isinstance(r, BaseException):  # the scheduler only fails items with ServiceErrors
+                raise r
+        usage.tokens += sum(len(s) for s in seqs)
+        usage.queue_ms = max(1000 * it.queue_wait for it in items)
+        usage.inference_ms += sum({it.batch_id: 1000 * it.inference for it in items}.values())
+        return results
+
+    def _forward(self, batch: list[WorkItem]) -> list[np.ndarray]:
+        """Worker thread: pad, run under inference_mode, split back one output per item."""
+        first = batch[0]
+        longest = max(it.length for it in batch)
+        ids = torch.full((len(batch), longest), self.model.tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, it in enumerate(batch):
+            ids[row, : it.length] = torch.tensor(it.ids, dtype=torch.long)
+            mask[row, : it.length] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        with torch.inference_mode():
+            if first.kind == "embed":
+                out = self.model.embed(ids, mask, hashes=first.hashes, pooling=first.pooling)
+            elif first.kind == "hidden":
+                out = self.model.last_hidden(ids, mask, hashes=first.hashes)
+            else:
+                out = self.model.classify(ids, mask, hashes=first.hashes)
+        out = out.float().cpu().numpy()
+        if first.kind == "hidden":
+            return [out[row, : it.length] for row, it in enumerate(batch)]
+        return list(out)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _ranked(scores: np.ndarray, labels: list[str]) -> list[list[tuple[str, float]]]:
+    return [sorted(zip(labels, map(float, row)), key=lambda p: -p[1]) for row in scores]

@@ -1,0 +1,150 @@
+"""The edge of every request, as one plain ASGI middleware (no BaseHTTPMiddleware: it would
+buffer responses and break the disconnect watch).
+
+In order: request id, API key, body size (before any parsing, chunked bodies included), then the
+app; afterwards request metrics. Anything the app lets escape becomes a sanitised 500 here, with
+the traceback in the server log only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+
+from .errors import InternalError, PayloadTooLarge, ServiceError, Unauthorized, error_body, status_of
+from .metrics import ServiceMetrics
+
+log = logging.getLogger("yoso_serve.service")
+
+WORK_ROUTES = frozenset({"/embed", "/embed_all", "/classify", "/v1/embeddings", "/tokenize"})
+# Probes and scrapers carry no key: documented in docs/api.md.
+OPEN_ROUTES = frozenset({"/health", "/ready", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
+KNOWN_ROUTES = WORK_ROUTES | OPEN_ROUTES | {"/info"}
+
+FAILURE_REASONS = {400: "malformed", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+                   413: "payload_too_large", 422: "invalid_input", 429: "overloaded",
+                   499: "client_closed", 500: "internal", 503: "unavailable", 504: "deadline"}
+
+
+def error_response_parts(exc: ServiceError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """(status, headers, body) of the one error shape, with the headers some statuses need."""
+    headers = [(b"content-type", b"application/json")]
+    if isinstance(exc, Unauthorized):
+        headers.append((b"www-authenticate", b"Bearer"))
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    return status_of(exc), headers, json.dumps(error_body(exc)).encode()
+
+
+def _request_id(raw: bytes | None) -> str:
+    """Echo a client's id when it is short and printable (it lands in logs), else make one."""
+    if raw:
+        text = raw.decode("latin-1")
+        if len(text) <= 128 and text.isprintable():
+            return text
+    return uuid.uuid4().hex
+
+
+class EdgeMiddleware:
+    def __init__(self, app, *, api_key: str | None, payload_limit: int, metrics: ServiceMetrics) -> None:
+        self.app = app
+        self._key = api_key.encode() if api_key else None
+        self.payload_limit = payload_limit
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        headers = dict(scope["headers"])
+        request_id = _request_id(headers.get(b"x-request-id"))
+        path = scope["path"]
+        route = path if path in KNOWN_ROUTES else "other"
+        state = {"status": 500, "started": False}
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                state["status"], state["started"] = message["status"], True
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        work = path in WORK_ROUTES
+        if work:
+            self.metrics.in_flight.inc()
+        try:
+            error = self._check_key(path, headers)
+            body = b""
+            if error is None:
+                body, error = await self._read_body(headers, receive)
+            if error is not None:
+                await self._send_error(error, send_with_id)
+            else:
+                await self.app(scope, _replay(body, receive), send_with_id)
+        except Exception:  # noqa: BLE001 - the last line of defence: never a traceback to clients
+            log.exception("unhandled error on %s %s (request %s)", scope["method"], path, request_id)
+            if not state["started"]:
+                await self._send_error(InternalError(), send_with_id)
+        finally:
+            if work:
+                self.metrics.in_flight.dec()
+            status = state["status"]
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.request_duration.labels(route, str(status)).observe(time.perf_counter() - start)
+            if status >= 400:
+                self.metrics.failures.labels(FAILURE_REASONS.get(status, str(status))).inc()
+
+    def _check_key(self, path: str, headers: dict) -> ServiceError | None:
+        if self._key is None or path in OPEN_ROUTES:
+            return None
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer" or not token:
+            return Unauthorized("missing API key: send `Authorization: Bearer <key>`")
+        if not hmac.compare_digest(token.strip(), self._key):
+            return Unauthorized("wrong API key")
+        return None
+
+    async def _read_body(self, headers: dict, receive) -> tuple[bytes, ServiceError | None]:
+        too_large = PayloadTooLarge(f"request body is over payload_limit ({self.payload_limit} bytes); "
+                                    "send fewer or shorter inputs", param="body")
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.payload_limit:
+            return b"", too_large
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.payload_limit:  # a chunked body has no content-length to check up front
+                return b"", too_large
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks), None
+
+    @staticmethod
+    async def _send_error(exc: ServiceError, send) -> None:
+        status, headers, body = error_response_parts(exc)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _replay(body: bytes, receive):
+    """The app reads the buffered body once; later reads go to the server (to see a disconnect)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

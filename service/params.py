@@ -1,0 +1,55 @@
+"""Plain engine parameters and results: what protocol models turn into, what routes turn back.
+
+No pydantic here: the engine and its tests work with these dataclasses only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EmbedParams:
+    texts: list[str]
+    normalize: bool = True
+    truncation_direction: str = "right"
+    pooling: str | None = None
+    hashes: int | None = None
+    long_input: str = "truncate"  # "truncate" | "chunk" | "error"
+    dimensions: int | None = None
+
+
+@dataclass(frozen=True)
+class HiddenParams:
+    texts: list[str]
+    truncation_direction: str = "right"
+    hashes: int | None = None
+    long_input: str = "truncate"  # "truncate" | "error"
+
+
+@dataclass(frozen=True)
+class ClassifyParams:
+    texts: list[str]
+    labels: list[str] | None = None
+    multi_label: bool = False
+    raw_scores: bool = False
+    hashes: int | None = None
+    truncation_direction: str = "right"
+    long_input: str = "truncate"
+
+
+@dataclass
+class Usage:
+    """What the response headers report: tokens computed and where the time went (ms)."""
+
+    tokens: int = 0
+    hashes: int = 0
+    tokenize_ms: float = 0.0
+    queue_ms: float = 0.0
+    inference_ms: float = 0.0
+
+
+@dataclass
+class Output:
+    value: object  # np.ndarray | list, depending on the call
+    usage: Usage = field(default_factory=Usage)

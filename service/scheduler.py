@@ -1,0 +1,236 @@
+"""The queue and the batching loop: one worker thread turns queued inputs into model batches.
+
+Requests live on the asyncio loop; the model runs on this thread so a forward never blocks the
+event loop. Futures are resolved with ``loop.call_soon_threadsafe`` because asyncio futures are
+not thread-safe. Which items form a batch is decided by :func:`plan_batch` (pure, unit-tested).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any, Callable, Hashable
+
+from .batching import plan_batch
+from .errors import ClientGone, DeadlineExceeded, InternalError, NotReady, Overloaded, ServiceError
+from .metrics import ServiceMetrics
+
+log = logging.getLogger("yoso_serve.service")
+
+
+@dataclass(eq=False)
+class WorkItem:
+    """One tokenised input waiting for the model. ``group`` = (hashes, kind, pooling): items batch
+    together only when they share it, so one forward has one attention setting and one output kind."""
+
+    ids: list[int]
+    hashes: int
+    kind: str  # "embed" | "hidden" | "classify"
+    pooling: str | None
+    deadline: float  # time.monotonic() after which the item is dropped with 504
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    enqueued: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    queue_wait: float = 0.0
+    inference: float = 0.0
+    batch_id: int = -1
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    @property
+    def group(self) -> Hashable:
+        return (self.hashes, self.kind, self.pooling)
+
+
+def _settle(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+    if future.done():  # the request already gave up (disconnect)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class BatchScheduler:
+    """Owns the queue and the worker thread.
+
+    ``run_batch(items) -> list`` runs one forward and returns one output per item, in order; it is
+    called on the worker thread only. A failing batch is retried item by item, so one bad input
+    fails only its own request.
+    """
+
+    def __init__(self, run_batch: Callable[[list[WorkItem]], list], *, max_batch_tokens: int,
+                 max_batch_requests: int, max_wait_ms: float, max_queue_tokens: int,
+                 metrics: ServiceMetrics) -> None:
+        self._run_batch = run_batch
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_requests = max_batch_requests
+        self.max_wait = max_wait_ms / 1000.0
+        self.max_queue_tokens = max_queue_tokens
+        self.metrics = metrics
+        self._queue: list[WorkItem] = []
+        self._queued_tokens = 0
+        self._cond = threading.Condition()
+        self._accepting = True
+        self._stop = False
+        self._batch_ids = count()
+        self._tokens_per_s = 0.0  # running estimate, for Retry-After
+        self._thread = threading.Thread(target=self._loop, name="yoso-batcher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def queued_tokens(self) -> int:
+        return self._queued_tokens
+
+    def submit(self, items: list[WorkItem]) -> None:
+        """Enqueue all of a request's items or none: raises Overloaded (429) or NotReady (draining)."""
+        tokens = sum(it.length for it in items)
+        with self._cond:
+            if not self._accepting:
+                raise NotReady("server is shutting down; retry on another replica")
+            # An empty queue takes any request, so one request larger than the budget still runs.
+            if self._queue and self._queued_tokens + tokens > self.max_queue_tokens:
+                raise Overloaded(f"queue is full ({self._queued_tokens} tokens queued, limit "
+                                 f"max_queue_tokens={self.max_queue_tokens}); retry later",
+                                 retry_after=self._retry_after(tokens))
+            self._queue.extend(items)
+            self._queued_tokens += tokens
+            self._publish_queue()
+            self._cond.notify()
+
+    def cancel(self, items: list[WorkItem]) -> None:
+        """Mark items whose client went away; the loop drops them instead of running them."""
+        with self._cond:
+            for it in items:
+                it.cancelled = True
+            self._cond.notify()
+
+    def close(self, timeout: float) -> bool:
+        """Stop taking work, finish what is queued (up to ``timeout`` s), stop the thread.
+        Returns True when the queue drained in time."""
+        with self._cond:
+            self._accepting = False
+            self._stop = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        drained = not self._thread.is_alive()
+        if not drained:
+            log.error("drain timeout: %d queued inputs not run", len(self._queue))
+        return drained
+
+    def stop_accepting(self) -> None:
+        with self._cond:
+            self._accepting = False
+
+    def _retry_after(self, tokens: int) -> int:
+        rate = self._tokens_per_s or 1000.0
+        return max(1, math.ceil((self._queued_tokens + tokens - self.max_queue_tokens) / rate))
+
+    def _publish_queue(self) -> None:
+        self.metrics.queue_items.set(len(self._queue))
+        self.metrics.queue_tokens.set(self._queued_tokens)
+
+    def _take(self, indices: list[int]) -> list[WorkItem]:
+        picked = [self._queue[i] for i in indices]
+        keep = set(range(len(self._queue))) - set(indices)
+        self._queue = [self._queue[i] for i in sorted(keep)]
+        self._queued_tokens -= sum(it.length for it in picked)
+        self._publish_queue()
+        return picked
+
+    def _next_batch(self) -> tuple[list[WorkItem], list[WorkItem]] | None:
+        """Block until a batch is due. Returns (batch, dropped) or None when stopped and empty."""
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                dead = [i for i, it in enumerate(self._queue) if it.cancelled or it.deadline <= now]
+                dropped = self._take(dead) if dead else []
+                if dropped:
+                    return [], dropped
+                if not self._queue:
+                    if self._stop:
+                        return None
+                    self._cond.wait()
+                    continue
+                plan = plan_batch(self._queue, max_batch_tokens=self.max_batch_tokens,
+                                  max_batch_requests=self.max_batch_requests)
+                wait_left = self._queue[0].enqueued + self.max_wait - now
+                if not plan.full and wait_left > 0 and not self._stop:
+                    self._cond.wait(wait_left)
+                    continue
+                return self._take(plan.indices), []
+
+    def _loop(self) -> None:
+        while True:
+            step = self._next_batch()
+            if step is None:
+                return
+            batch, dropped = step
+            for it in dropped:
+                self._drop(it)
+            if batch:
+                self._run(batch)
+
+    def _drop(self, item: WorkItem) -> None:
+        if item.cancelled:
+            self.metrics.failures.labels("client_disconnected").inc()
+            error: ServiceError = ClientGone("client disconnected before the input ran")
+        else:
+            error = DeadlineExceeded(f"input waited longer than request_timeout "
+                                     f"({item.deadline - item.enqueued:.1f} s) in the queue; retry later")
+        self._resolve(item, error=error)
+
+    def _run(self, batch: list[WorkItem]) -> None:
+        start = time.monotonic()
+        batch_id = next(self._batch_ids)
+        for it in batch:
+            it.queue_wait = start - it.enqueued
+            it.batch_id = batch_id
+            self.metrics.queue_wait.observe(it.queue_wait)
+        try:
+            outputs = self._run_batch(batch)
+            if len(outputs) != len(batch):
+                raise RuntimeError(f"batch of {len(batch)} inputs gave {len(outputs)} outputs")
+        except Exception as exc:  # noqa: BLE001 - every failure must reach its request
+            if len(batch) > 1:
+                for it in batch:  # isolate the input that fails
+                    self._run([it])
+                return
+            self._fail(batch[0], exc)
+            return
+        elapsed = time.monotonic() - start
+        tokens = sum(it.length for it in batch)
+        self.metrics.inference_duration.observe(elapsed)
+        self.metrics.batch_size.observe(len(batch))
+        self.metrics.batch_tokens.observe(len(batch) * max(it.length for it in batch))
+        self.metrics.tokens.inc(tokens)
+        self._tokens_per_s = 0.8 * self._tokens_per_s + 0.2 * tokens / max(elapsed, 1e-6)
+        for it, out in zip(batch, outputs):
+            it.inference = elapsed
+            self._resolve(it, result=out)
+
+    def _fail(self, item: WorkItem, exc: Exception) -> None:
+        if isinstance(exc, ServiceError):
+            error: ServiceError = exc
+        else:
+            log.error("batch failed", exc_info=exc)
+            error = InternalError()
+        self._resolve(item, error=error)
+
+    @staticmethod
+    def _resolve(item: WorkItem, result: Any = None, error: BaseException | None = None) -> None:
+        try:
+            item.loop.call_soon_threadsafe(_settle, item.future, result, error)
+        except RuntimeError:  # the request's event loop is closed: nobody is waiting
+            pass

@@ -1,0 +1,108 @@
+"""Server settings: one pydantic-settings model, every field a ``--flag`` and a ``YOSO_<NAME>`` env var.
+
+Precedence: command-line flag > environment variable > default. Cross-field rules (batch budget vs
+input length, runtime availability) are checked here so a bad deployment fails at start with a
+message that says how to fix it, not on the first request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServeSettings(BaseSettings):
+    """Everything an operator can set. Field descriptions double as ``--help`` text and docs."""
+
+    model_config = SettingsConfigDict(env_prefix="YOSO_", extra="forbid", validate_default=True)
+
+    model: Path | None = Field(None, description="Model directory (config.json + weights + tokenizer). "
+                               "Default: the bundled default model (`default_model_dir()`).")
+    host: str = Field("0.0.0.0", description="Bind address. 0.0.0.0 suits containers; use 127.0.0.1 "
+                      "to keep the server local.")
+    port: int = Field(8080, ge=1, le=65535, description="HTTP port.")
+    metrics_port: int | None = Field(None, ge=1, le=65535, description="Extra port that serves only "
+                                     "/metrics (it is always on the main port too).")
+    api_key: SecretStr | None = Field(None, description="Require `Authorization: Bearer <key>` on "
+                                      "every route except /health, /ready, /metrics and the docs. Never logged.")
+    hashes: int | None = Field(None, ge=0, description="Default hash count per request (0 = exact "
+                               "YOSO-E). Default: the model's (0 if use_expectation else num_hash).")
+    max_hashes: int = Field(256, ge=0, description="Largest hash count a request may ask for.")
+    max_batch_tokens: int = Field(16384, ge=1, description="Token budget of one batch, counted "
+                                  "padded (batch size x longest input).")
+    max_batch_requests: int = Field(64, ge=1, description="Most inputs in one batch.")
+    max_wait_ms: float = Field(2.0, ge=0, description="How long the batcher waits for a fuller "
+                               "batch once the oldest item is queued.")
+    max_queue_tokens: int = Field(262144, ge=1, description="Queued tokens above which new "
+                                  "requests get 429 with Retry-After.")
+    max_client_batch_size: int = Field(64, ge=1, description="Most inputs in one request.")
+    max_input_length: int | None = Field(None, ge=2, description="Token limit per input (with "
+                                         "specials). Default and upper bound: the model's "
+                                         "max_position_embeddings.")
+    payload_limit: int = Field(2_000_000, ge=1, description="Largest request body in bytes "
+                               "(checked before parsing, chunked bodies included).")
+    request_timeout: float = Field(30.0, gt=0, description="Seconds an input may wait in the queue "
+                                   "before it is dropped with 504.")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads. Default: torch's "
+                                "choice (the number of cores).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when "
+                                                   "available, else cpu.")
+    runtime: Literal["torch", "onnx"] = Field("torch", description="Inference runtime. Only "
+                                              "torch exists yet.")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="Server log level.")
+    log_texts: bool = Field(False, description="Log input texts (debugging only; off by default).")
+    chunk_overlap: int = Field(64, ge=0, description="Tokens shared by neighbouring windows "
+                               "when long_input=\"chunk\".")
+    drain_timeout: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for accepted "
+                                 "requests to finish before cancelling them.")
+
+    @model_validator(mode="after")
+    def _check_start(self) -> "ServeSettings":
+        if self.runtime == "onnx":
+            raise ValueError("runtime 'onnx' is not available yet (it comes with the ONNX export); "
+                             "use --runtime torch / YOSO_RUNTIME=torch")
+        if self.hashes is not None and self.hashes > self.max_hashes:
+            raise ValueError(f"--hashes {self.hashes} is above --max-hashes {self.max_hashes}; "
+                             "lower --hashes or raise --max-hashes")
+        if self.model is not None and not (self.model / "config.json").is_file():
+            raise ValueError(f"--model {self.model} has no config.json; point --model / YOSO_MODEL "
+                             "at a directory written by save_pretrained or yoso-convert")
+        if self.max_input_length is not None and self.max_input_length > self.max_batch_tokens:
+            raise ValueError(f"--max-input-length {self.max_input_length} is above "
+                             f"--max-batch-tokens {self.max_batch_tokens}: one input must fit in a batch")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda but no CUDA device is visible; use --device cpu or auto")
+        return self
+
+    def resolved_device(self) -> str:
+        """``auto`` made concrete: ``cuda`` when a GPU is visible, else ``cpu``."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    return "YOSO_" + field.upper()
+
+
+def describe_errors(err: ValidationError) -> str:
+    """One line per problem, naming both the flag and the env var so the operator can fix either."""
+    lines = []
+    for e in err.errors():
+        field = str(e["loc"][0]) if e["loc"] else ""
+        where = f"{flag_name(field)} / {env_name(field)}: " if field else ""
+        lines.append(f"  {where}{e['msg'].removeprefix('Value error, ')}")
+    return "invalid settings:\n" + "\n".join(lines)

@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random models saved with save_pretrained (fast), the real default model,
+and an in-process client that runs the app's lifespan (httpx.ASGITransport does not)."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from yoso_serve.model import EncoderConfig, EncoderModel, TextTokenizer, default_model_dir, save_pretrained
+from yoso_serve.model.default import minilm_dir
+from yoso_serve.service import ServeSettings, create_app
+
+TINY_MAX = 64  # max_position_embeddings of the tiny models: a 3x-max document stays cheap
+
+
+def _tiny(path: Path, *, labels: dict[int, str] | None = None) -> Path:
+    torch.manual_seed(0)
+    tokenizer = TextTokenizer.from_dir(minilm_dir())
+    config = EncoderConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, intermediate_size=64, max_position_embeddings=TINY_MAX,
+                           type_vocab_size=2, pad_token_id=tokenizer.pad_id, use_expectation=False,
+                           num_hash=8, hash_code_len=4, hash_seed=7, id2label=labels)
+    model = EncoderModel(config, with_classifier=labels is not None, tokenizer=tokenizer).eval()
+    return save_pretrained(model, path)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return _tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier_dir(tmp_path_factory) -> Path:
+    return _tiny(tmp_path_factory.mktemp("tiny-cls"), labels={0: "negative", 1: "neutral", 2: "positive"})
+
+
+@pytest.fixture(scope="session")
+def default_dir() -> Path:
+    return default_model_dir()
+
+
+@asynccontextmanager
+async def serving(model_dir: Path, *, wait_ready: bool = True, load_model=None, **overrides):
+    """An app on ``model_dir`` with its lifespan running, and an httpx client talking to it in-process."""
+    settings = ServeSettings(model=model_dir, **overrides)
+    app = create_app(settings, load_model=load_model, model_name="test-model" if load_model else None)
+    async with app.router.lifespan_context(app):
+        if wait_ready:
+            await app.state.startup
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            client.app = app
+            yield client
+
+
+def _metric(client, name: str, **labels) -> float:
+    """Current value of one sample in the app's own registry (0 when absent)."""
+    value = client.app.state.metrics.registry.get_sample_value(name, labels or None)
+    return 0.0 if value is None else value
+
+
+# Test modules cannot import this file (pytest's importlib mode), so helpers travel as fixtures.
+# Tests are plain functions that drive one event loop each with asyncio.run (no async plugin).
+@pytest.fixture
+def serve():
+    return serving
+
+
+@pytest.fixture
+def metric():
+    return _metric

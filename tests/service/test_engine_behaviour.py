@@ -1,0 +1,97 @@
+"""Batching under concurrency, determinism and long-document chunking, with real models."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from yoso_serve.model import load_pretrained
+
+SENTENCES = [f"sentence number {i} talks about {topic}" for i, topic in
+             enumerate(["cats", "the stock market", "rain in spring", "compilers", "long documents",
+                        "attention kernels", "bread", "a football match"])]
+
+
+def test_concurrent_requests_really_batch(tiny_dir, serve, metric):
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16, max_wait_ms=50) as c:
+            rs = await asyncio.gather(*(c.post("/embed", json={"inputs": s}) for s in SENTENCES))
+            batches = metric(c, "yoso_batch_size_count")
+            singles = metric(c, "yoso_batch_size_bucket", le="1.0")
+            return rs, batches, singles
+
+    rs, batches, singles = asyncio.run(main())
+    assert all(r.status_code == 200 for r in rs)
+    assert batches - singles >= 1  # at least one batch of more than one input ran
+    assert batches < 1 + len(SENTENCES)  # fewer forwards than requests (warm-up included)
+
+
+@pytest.mark.parametrize("hashes", [32, 0])
+def test_same_text_same_vector_across_calls_and_batch_compositions(default_dir, serve, hashes):
+    target = "Determinism: the same text gives the same vector every time."
+    others = ["short", "a considerably longer companion sentence that changes the padding of the batch " * 3]
+
+    async def main():
+        async with serve(default_dir, max_wait_ms=30) as c:
+            alone = [(await c.post("/embed", json={"inputs": target, "hashes": hashes})).json()[0] for _ in range(2)]
+            in_request = (await c.post("/embed", json={"inputs": [others[1], target, others[0]],
+                                                       "hashes": hashes})).json()[1]
+            crowd = await asyncio.gather(*(c.post("/embed", json={"inputs": t, "hashes": hashes})
+                                           for t in [others[1], target, others[0], target]))
+            return alone, in_request, [crowd[1].json()[0], crowd[3].json()[0]]
+
+    alone, in_request, crowded = asyncio.run(main())
+    assert alone[0] == alone[1]  # bitwise across calls
+    for other in [in_request, *crowded]:
+        np.testing.assert_allclose(other, alone[0], atol=2e-5)  # padded beside other texts: same vector
+
+
+def _chunk_oracle(model, text, max_len, overlap):
+    """Token-weighted mean of each window's pooled vector, computed straight from the model."""
+    tok = model.tokenizer
+    ids = tok.encode([text], add_special_tokens=False)[0]
+    window = max_len - tok.num_special_tokens
+    total, weight, start, covered, computed = 0, 0, 0, 0, 0
+    while True:
+        stop = min(start + window, len(ids))
+        t = torch.tensor([tok.wrap(ids[start:stop])])
+        computed += t.shape[1]
+        with torch.inference_mode():
+            row = model.embed(t, torch.ones_like(t))[0].numpy()
+        total, weight = total + (stop - covered) * row, weight + (stop - covered)
+        covered = stop
+        if stop == len(ids):
+            break
+        start = stop - overlap
+    return total / weight, len(ids), computed
+
+
+@pytest.mark.parametrize("which", ["tiny", "default"])
+def test_long_input_chunk_on_a_document_three_times_the_max(tiny_dir, default_dir, serve, which):
+    model_dir, max_len, overlap, extra = ((tiny_dir, 64, 16, {}) if which == "tiny"
+                                         else (default_dir, 128, 32, {"max_input_length": 128}))
+    model = load_pretrained(model_dir)
+    words = [f"topic{i % 17} detail{i}" for i in range(400)]
+    n_words = 1
+    while len(model.tokenizer.encode([" ".join(words[:n_words])], add_special_tokens=False)[0]) < 3 * max_len:
+        n_words += 1
+    text = " ".join(words[:n_words])  # 3x the max, in tokens
+    want, n_tokens, computed = _chunk_oracle(model, text, max_len, overlap)
+    assert 3 * max_len <= n_tokens < 3 * max_len + 8
+
+    async def main():
+        async with serve(model_dir, chunk_overlap=overlap, **extra) as c:
+            chunked = await c.post("/embed", json={"inputs": text, "long_input": "chunk", "normalize": False})
+            normed = await c.post("/embed", json={"inputs": [text, "short"], "long_input": "chunk"})
+            cut = await c.post("/embed", json={"inputs": text, "normalize": False})
+            return chunked, normed, cut
+
+    chunked, normed, cut = asyncio.run(main())
+    got = np.array(chunked.json()[0])
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert int(chunked.headers["x-compute-tokens"]) == computed  # every window, overlap and specials included
+    np.testing.assert_allclose(normed.json()[0], want / np.linalg.norm(want), atol=1e-4)
+    assert not np.allclose(np.array(cut.json()[0]), want, atol=1e-3)  # truncation sees only the start

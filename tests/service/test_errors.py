@@ -1,0 +1,234 @@
+"""Every error status in the one error shape, in-process against a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import pytest
+
+from yoso_serve.model import load_pretrained
+from yoso_serve.service import EmbedParams
+from yoso_serve.service.errors import ClientGone
+
+SHAPE = {"message", "type", "param", "code"}
+
+
+def error_of(r, status):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == SHAPE
+    return body["error"]
+
+
+def slow_loader(path, delay: float = 0.3, *, fail: bool = False, gate: threading.Event | None = None):
+    """The real tiny model with a forward that takes ``delay`` s (or raises), to fill the queue on purpose."""
+    def load():
+        if gate is not None:
+            gate.wait(10)
+        model = load_pretrained(path)
+        real = model.embed
+
+        def embed(*args, **kw):
+            if fail and args[0].shape[1] > 6:  # the warm-up (5 tokens) passes, requests fail
+                raise RuntimeError("secret internal detail /srv/weights")
+            time.sleep(delay)
+            return real(*args, **kw)
+
+        model.embed = embed
+        return model
+
+    return load
+
+
+def test_400_malformed_json_and_404_405(tiny_dir, serve):
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            bad = await c.post("/embed", content=b'{"inputs": ["a",', headers={"content-type": "application/json"})
+            return bad, await c.get("/nope"), await c.get("/embed")
+
+    bad, missing, method = asyncio.run(main())
+    assert "malformed JSON" in error_of(bad, 400)["message"]
+    assert error_of(missing, 404)["code"] == "not_found"
+    assert error_of(method, 405)["code"] == "method_not_allowed"
+
+
+def test_401_without_or_with_wrong_key_and_open_probes(tiny_dir, serve):
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16, api_key="s3cret-key") as c:
+            body = {"inputs": "hi"}
+            return {"none": await c.post("/embed", json=body),
+                    "wrong": await c.post("/embed", json=body, headers={"authorization": "Bearer nope"}),
+                    "basic": await c.post("/embed", json=body, headers={"authorization": "Basic s3cret-key"}),
+                    "good": await c.post("/embed", json=body, headers={"authorization": "Bearer s3cret-key"}),
+                    "info": await c.get("/info"),
+                    **{p: await c.get(p) for p in ("/health", "/ready", "/metrics")}}
+
+    r = asyncio.run(main())
+    for key in ("none", "wrong", "basic", "info"):
+        assert error_of(r[key], 401)["type"] == "authentication_error"
+        assert r[key].headers["www-authenticate"] == "Bearer"
+    assert r["good"].status_code == 200
+    assert all(r[p].status_code == 200 for p in ("/health", "/ready", "/metrics"))
+    assert "s3cret-key" not in r["/metrics"].text and "s3cret-key" not in r["none"].text
+
+
+def test_413_by_content_length_and_by_chunked_body(tiny_dir, serve):
+    big = b'{"inputs": "' + b"x" * 5000 + b'"}'
+
+    async def chunks():
+        for i in range(0, len(big), 500):
+            yield big[i:i + 500]
+
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16, payload_limit=1000) as c:
+            sized = await c.post("/embed", content=big, headers={"content-type": "application/json"})
+            chunked = await c.post("/embed", content=chunks(), headers={"content-type": "application/json"})
+            small = await c.post("/embed", json={"inputs": "x" * 100})
+            return sized, chunked, small
+
+    sized, chunked, small = asyncio.run(main())
+    assert "payload_limit (1000 bytes)" in error_of(sized, 413)["message"]
+    assert error_of(chunked, 413)["code"] == "payload_too_large"
+    assert small.status_code == 200
+
+
+@pytest.mark.parametrize("path,body,param,words", [
+    ("/embed", {"inputs": []}, "inputs", "must not be empty"),
+    ("/embed", {"inputs": ["ok", ""]}, "inputs", "empty strings"),
+    ("/embed", {"inputs": ["a"] * 5}, "inputs", "max_client_batch_size 4"),
+    ("/embed", {"inputs": "word " * 100, "long_input": "error"}, "inputs", "limit of 64"),
+    ("/embed", {"inputs": "word " * 100, "truncate": False}, "inputs", "limit of 64"),
+    ("/embed", {"inputs": "hi", "hashes": 17}, "hashes", "[0, 16]"),
+    ("/embed", {"inputs": "hi", "hashes": -1}, "hashes", "[0, 16]"),
+    ("/embed", {"inputs": "hi", "pooling": "max"}, "pooling", "mean"),
+    ("/embed", {"inputs": 3}, "inputs", "string"),
+    ("/embed", {"text": "hi"}, "inputs", "required"),
+    ("/embed_all", {"inputs": "hi", "long_input": "chunk"}, "long_input", "truncate"),
+    ("/classify", {"inputs": "hi"}, "labels", "no classification head"),
+    ("/classify", {"inputs": "hi", "labels": []}, "labels", "non-empty"),
+    ("/classify", {"inputs": "hi", "labels": ["a", "a"]}, "labels", "distinct"),
+    ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, "encoding_format", "float"),
+    ("/tokenize", {"inputs": []}, "inputs", "must not be empty"),
+])
+def test_422_names_the_field_and_the_limit(tiny_dir, serve, path, body, param, words):
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16, max_client_batch_size=4, max_hashes=16) as c:
+            return await c.post(path, json=body)
+
+    err = error_of(asyncio.run(main()), 422)
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_429_when_the_queue_is_full_with_retry_after(tiny_dir, serve, metric):
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16, load_model=slow_loader(tiny_dir, 0.3),
+                         max_batch_requests=1, max_queue_tokens=20) as c:
+            rs = await asyncio.gather(*(c.post("/embed", json={"inputs": "one two three four five six"})
+                                        for _ in range(6)))
+            return rs, metric(c, "yoso_failures_total", reason="overloaded")
+
+    rs, overloaded = asyncio.run(main())
+    statuses = sorted(r.status_code for r in rs)
+    assert 200 in statuses and 429 in statuses and set(statuses) <= {200, 429}
+    refused = [r for r in rs if r.status_code == 429]
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert "max_queue_tokens=20" in error_of(refused[0], 429)["message"]
+    assert overloaded == len(refused)
+
+
+def test_503_while_loading_and_while_draining(tiny_dir, serve):
+    gate = threading.Event()
+
+    async def main():
+        async with serve(tiny_dir, wait_ready=False, chunk_overlap=16,
+                         load_model=slow_loader(tiny_dir, 0.0, gate=gate)) as c:
+            loading = [await c.get("/ready"), await c.post("/embed", json={"inputs": "hi"}), await c.get("/health")]
+            gate.set()
+            await c.app.state.startup
+            ready = await c.get("/ready")
+            c.app.state.engine.begin_drain()
+            draining = [await c.get("/ready"), await c.post("/embed", json={"inputs": "hi"}), await c.get("/health")]
+            return loading, ready, draining
+
+    loading, ready, draining = asyncio.run(main())
+    assert "loading" in error_of(loading[0], 503)["message"] and error_of(loading[1], 503)["code"] == "not_ready"
+    assert loading[2].status_code == 200 and ready.status_code == 200
+    assert "draining" in error_of(draining[0], 503)["message"]
+    assert "shutting down" in error_of(draining[1], 503)["message"]
+    assert draining[2].status_code == 200  # liveness is not readiness
+
+
+def test_504_when_an_input_outlives_its_deadline(tiny_dir, serve, metric):
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16, load_model=slow_loader(tiny_dir, 0.4),
+                         max_batch_requests=1, request_timeout=0.1) as c:
+            first = asyncio.create_task(c.post("/embed", json={"inputs": "first one in"}))
+            await asyncio.sleep(0.05)
+            late = await c.post("/embed", json={"inputs": "second one waits"})
+            return await first, late, metric(c, "yoso_failures_total", reason="deadline")
+
+    first, late, deadline = asyncio.run(main())
+    assert first.status_code == 200
+    assert "request_timeout" in error_of(late, 504)["message"] and deadline == 1
+
+
+def test_500_is_sanitised_and_the_traceback_goes_to_the_log(tiny_dir, serve, caplog):
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16, load_model=slow_loader(tiny_dir, 0.0, fail=True)) as c:
+            return await c.post("/embed", json={"inputs": "this input makes the forward fail"})
+
+    with caplog.at_level(logging.ERROR, logger="yoso_serve.service"):
+        r = asyncio.run(main())
+    err = error_of(r, 500)
+    assert "secret" not in r.text and "Traceback" not in r.text and err["code"] == "internal"
+    assert any("secret internal detail" in (rec.exc_text or "") for rec in caplog.records)
+    assert not any("makes the forward fail" in rec.getMessage() for rec in caplog.records)  # texts not logged
+
+
+def test_a_disconnected_clients_inputs_are_dropped_not_run(tiny_dir, serve, metric):
+    ran = []
+
+    def load():
+        model = slow_loader(tiny_dir, 0.3)()
+        inner = model.embed
+        model.embed = lambda ids, *a, **kw: (ran.append(ids.shape[0]), inner(ids, *a, **kw))[1]
+        return model
+
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16, load_model=load, max_batch_requests=1) as c:
+            engine = c.app.state.engine
+            ran.clear()
+            busy = asyncio.create_task(engine.embed(EmbedParams(["keeps the worker busy"])))
+            await asyncio.sleep(0.05)
+
+            async def gone_now():
+                await asyncio.sleep(0.01)
+
+            with pytest.raises(ClientGone):
+                await engine.embed(EmbedParams(["nobody will read this", "nor this"]), gone_now)
+            await busy
+            await asyncio.sleep(0.1)
+            return metric(c, "yoso_failures_total", reason="client_disconnected")
+
+    dropped = asyncio.run(main())
+    assert ran == [1] and dropped == 2
+
+
+def test_500_from_a_route_bug_is_caught_at_the_edge(tiny_dir, serve, caplog, metric):
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            async def broken(*_, **__):
+                raise KeyError("secret route detail")
+
+            c.app.state.engine.tokenize = broken
+            r = await c.post("/tokenize", json={"inputs": "hi"})
+            return r, metric(c, "yoso_failures_total", reason="internal")
+
+    with caplog.at_level(logging.ERROR, logger="yoso_serve.service"):
+        r, internal = asyncio.run(main())
+    assert error_of(r, 500)["code"] == "internal" and "secret" not in r.text and internal == 1
+    assert r.headers["x-request-id"]
+    assert any("secret route detail" in (rec.exc_text or "") for rec in caplog.records)

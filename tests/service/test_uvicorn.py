@@ -1,0 +1,176 @@
+"""A real ``yoso-serve`` process (the console script, default model) on 127.0.0.1: the docs' curl
+examples, the metrics port, and a SIGTERM drain that loses no accepted request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(sys.executable).parent / "yoso-serve"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([str(SCRIPT), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"yoso-serve exited early:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("yoso-serve did not become ready in 180 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    metrics_port = free_port()
+    proc, url = start_server("--metrics-port", str(metrics_port))
+    yield url, metrics_port
+    stop(proc)
+
+
+def curl_examples() -> list[str]:
+    """Every curl command in docs/api.md's bash blocks, continuation lines joined."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.strip().startswith("curl"):
+                commands.append(line.strip())
+    return commands
+
+
+def run_example(command: str, base: str) -> tuple[int, str]:
+    """Run one example against ``base`` with curl, or replay it with httpx where curl is missing."""
+    args = shlex.split(command.replace("localhost:8080", base.removeprefix("http://")))
+    if shutil.which("curl"):
+        out = subprocess.run([*args, "-w", "\n%{http_code}"], capture_output=True, text=True, timeout=120).stdout
+        body, _, status = out.rpartition("\n")
+        return int(status), body
+    url = "http://" + next(a for a in args[1:] if a.startswith(base.removeprefix("http://")))
+    headers = dict(h.split(": ", 1) for h in (args[i + 1] for i, a in enumerate(args) if a == "-H"))
+    data = next((args[i + 1] for i, a in enumerate(args) if a == "-d"), None)
+    r = httpx.request("POST" if data else "GET", url, headers=headers, content=data, timeout=120)
+    return r.status_code, r.text
+
+
+def test_docs_curl_examples_work_as_written(server):
+    url, _ = server
+    examples = curl_examples()
+    assert len(examples) >= 9
+    hidden = httpx.get(f"{url}/info", timeout=10).json()["config"]["hidden_size"]
+    seen = set()
+    for command in examples:
+        status, body = run_example(command, url)
+        assert status == 200, (command, body)
+        route = re.search(r"localhost:8080(/[\w/]*)", command).group(1)
+        seen.add(route)
+        if route == "/metrics":
+            assert "yoso_model_info" in body
+            continue
+        data = json.loads(body)
+        if route == "/embed" and isinstance(data, list) and len(data) == 2:
+            vectors = np.array(data)
+            assert vectors.shape == (2, hidden)
+            np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+        if route == "/v1/embeddings":
+            assert len(data["data"][0]["embedding"]) == 128 and data["model"] == "yoso"
+        if route == "/classify":  # zero-shot: a distribution over exactly the labels sent, best first
+            assert {s["label"] for s in data[0]} == {"hardware problem", "billing", "praise"}
+            scores = [s["score"] for s in data[0]]
+            assert scores == sorted(scores, reverse=True) and abs(sum(scores) - 1) < 1e-5
+    assert seen >= {"/embed", "/embed_all", "/v1/embeddings", "/classify", "/tokenize", "/info", "/health",
+                    "/ready", "/metrics"}
+
+
+def test_metrics_port_serves_the_same_registry(server):
+    url, metrics_port = server
+    httpx.post(f"{url}/embed", json={"inputs": "count me"}, timeout=60)
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    assert 'yoso_requests_total{route="/embed",status="200"}' in text
+    assert 'backend="cpp"' in text or 'backend="torch"' in text
+
+
+def test_sigterm_drains_accepted_requests_refuses_new_ones_and_exits_0():
+    proc, url = start_server("--max-batch-requests", "2", "--drain-timeout", "60")
+    doc = " ".join(f"paragraph {i} of a long report about hashing attention" for i in range(60))
+
+    def in_flight() -> float:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        return float(re.search(r"^yoso_in_flight_requests (\S+)$", text, flags=re.M).group(1))
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            accepted = [asyncio.create_task(client.post(f"{url}/embed", json={"inputs": f"{i} {doc}"}))
+                        for i in range(6)]
+            deadline = time.monotonic() + 60
+            while in_flight() < 6 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert in_flight() == 6
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            try:
+                async with httpx.AsyncClient(timeout=10) as fresh:
+                    late = (await fresh.post(f"{url}/embed", json={"inputs": "too late"})).status_code
+            except httpx.TransportError:
+                late = "refused"
+            return [r.status_code for r in await asyncio.gather(*accepted)], late
+
+    try:
+        statuses, late = asyncio.run(main())
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert statuses == [200] * 6
+    assert late in ("refused", 503)
+    assert code == 0, proc.stdout.read()
+
+
+def test_bad_settings_exit_2_before_loading_anything():
+    out = subprocess.run([str(SCRIPT), "--runtime", "onnx"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "use --runtime torch" in out.stderr, out.stderr
+
+
+def test_a_model_that_cannot_start_exits_1_with_the_reason(tiny_dir):
+    port = free_port()
+    out = subprocess.run([str(SCRIPT), "--model", str(tiny_dir), "--host", "127.0.0.1", "--port", str(port),
+                          "--chunk-overlap", "100"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "--chunk-overlap 100 must be below the window of 62 tokens" in out.stderr
