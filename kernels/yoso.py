@@ -23,12 +23,12 @@ output is the un-normalised cumulation ``B·V`` — the model applies N-YOSO's �
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from .hashing import MAX_HASH_BITS, check_input, hash_codes, hash_codes_ref
+from .hashing import MAX_HASH_BITS, _projection, check_input, hash_codes, hash_codes_ref
 
 BACKENDS = ("auto", "torch", "cpp", "cuda")
 # Scratch tensors (hash tables, probability chunks) are cut to about this many fp32 values.
@@ -148,22 +148,54 @@ def lsh_weighted_cumulate(
     return out.div_(hashes)
 
 
-def _kernels(backend: str, device: torch.device) -> tuple[Callable, Callable]:
-    """(lsh_cumulate, lsh_weighted_cumulate) implementing backend; ValueError if unavailable."""
-    if backend == "cuda":
-        raise ValueError("backend 'cuda' is not available: no CUDA kernel is built in this package")
-    if backend == "torch" or (backend == "auto" and device.type != "cpu"):
-        return lsh_cumulate, lsh_weighted_cumulate
+class Kernels(NamedTuple):
+    """One backend's implementations: ``codes(x̂, num_hashes, hash_bits, seed, fast_hash)``
+    → (B, H, m, N) int32 equal to :func:`hash_codes`, plus the two cumulations."""
+
+    codes: Callable
+    cumulate: Callable
+    weighted: Callable
+
+
+def _torch_codes(x, num_hashes, hash_bits, seed, fast_hash):
+    return hash_codes(x, num_hashes=num_hashes, hash_bits=hash_bits, seed=seed, fast_hash=fast_hash)
+
+
+def _cpp_codes(ext):
+    # The projection GEMM and the bit packing in one pass: the PyTorch path materialises
+    # (B, H, N, m·τ) fp32 scores, which dominated time and memory at long N.
+    def codes(x, num_hashes, hash_bits, seed, fast_hash):
+        proj = _projection(seed, x.shape[1], num_hashes, hash_bits, x.shape[-1], bool(fast_hash), x.device)
+        return ext.fast_hash_codes(x.float().contiguous(), proj, num_hashes, hash_bits)
+
+    return codes
+
+
+def _kernels(backend: str, device: torch.device) -> Kernels:
+    """The :class:`Kernels` implementing backend on device; ValueError if unavailable."""
     from . import _build
 
+    torch_kernels = Kernels(_torch_codes, lsh_cumulate, lsh_weighted_cumulate)
+    if backend == "cuda" or (backend == "auto" and device.type == "cuda"):
+        ext = _build.cuda_extension()
+        if ext is None:
+            if backend == "cuda":
+                raise ValueError(f"backend 'cuda' is not available: {_build.backend_info().get('cuda_reason', 'no CUDA extension')}")
+            return torch_kernels
+        if device.type != "cuda":
+            raise ValueError(f"backend 'cuda' needs CUDA tensors, got device {device}")
+        # the binding routes CUDA tensors to the CUDA kernels
+        return Kernels(_cpp_codes(ext), ext.lsh_cumulate, ext.lsh_weighted_cumulate)
+    if backend == "torch" or device.type != "cpu" and backend == "auto":
+        return torch_kernels
     ext = _build.cpu_extension()
     if ext is None:
         if backend == "cpp":
             raise ValueError(f"backend 'cpp' is not available: {_build.backend_info().get('reason', 'not built')}")
-        return lsh_cumulate, lsh_weighted_cumulate
+        return torch_kernels
     if device.type != "cpu":
         raise ValueError(f"backend 'cpp' needs CPU tensors, got device {device}")
-    return ext.lsh_cumulate, ext.lsh_weighted_cumulate
+    return Kernels(_cpp_codes(ext), ext.lsh_cumulate, ext.lsh_weighted_cumulate)
 
 
 class YosoLSHFn(torch.autograd.Function):
@@ -171,19 +203,19 @@ class YosoLSHFn(torch.autograd.Function):
 
     forward(q, k, v, q_codes, k_codes, hash_bits, kernels): q, k: (BH, N, D) fp32 unit rows,
     v: (BH, N, Dv) fp32 contiguous, codes: (BH, m, N) int32 (negative = masked), kernels: the
-    (lsh_cumulate, lsh_weighted_cumulate) pair from :func:`_kernels` → (BH, N, Dv) fp32.
+    :class:`Kernels` from :func:`_kernels` → (BH, N, Dv) fp32.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, q_codes, k_codes, hash_bits, kernels):
         ctx.save_for_backward(q, k, v, q_codes, k_codes)
         ctx.hash_bits, ctx.kernels = hash_bits, kernels
-        return kernels[0](q_codes, k_codes, v, hash_bits)
+        return kernels.cumulate(q_codes, k_codes, v, hash_bits)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, q_codes, k_codes = ctx.saved_tensors
-        cumulate, weighted = ctx.kernels
+        cumulate, weighted = ctx.kernels.cumulate, ctx.kernels.weighted
         grad_out = grad_out.float().contiguous()
         half_tau = ctx.hash_bits / 2
         grad_q = grad_k = grad_v = None
@@ -316,10 +348,13 @@ def yoso_attention(
     if exact or num_hashes == 0:
         out = YosoExactFn.apply(q_flat, k_flat, v_flat, keep, hash_bits)
     else:
-        args = dict(num_hashes=num_hashes, hash_bits=hash_bits, seed=seed, fast_hash=fast_hash)
         masked = (keep == 0)[:, None, :]  # (BH, 1, N)
-        q_codes = hash_codes(q_hat.detach(), **args).view(batch * heads, num_hashes, length).masked_fill(masked, -1)
-        k_codes = hash_codes(k_hat.detach(), **args).view(batch * heads, num_hashes, length).masked_fill(masked, -1)
+        q_codes, k_codes = (
+            kernels.codes(x.detach(), num_hashes, hash_bits, seed, fast_hash)  # (B, H, m, N)
+            .view(batch * heads, num_hashes, length)
+            .masked_fill(masked, -1)
+            for x in (q_hat, k_hat)
+        )
         out = YosoLSHFn.apply(
             q_flat,
             k_flat,

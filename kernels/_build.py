@@ -1,0 +1,203 @@
+"""JIT build and load of the C++ (CPU, OpenMP) extension, and the backend report.
+
+Nothing is compiled at import of ``yoso_serve.kernels``: the first call to
+:func:`cpu_extension` (or :func:`backend_info`) builds ``csrc/yoso_cpu*.cpp`` with
+``torch.utils.cpp_extension.load`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``), which takes a minute or two on a small machine and
+is instant afterwards. The outcome, module or reason for not having one, is decided once per
+process under a lock, logged once on the ``yoso_serve.kernels`` logger and never raised:
+callers fall back to the pure-PyTorch ops, and :func:`backend_info` says so and why.
+
+``YOSO_KERNEL_BACKEND`` picks the policy: ``auto`` (default: build, fall back to torch when
+the build fails), ``torch`` (never build: forced pure PyTorch) or ``cpp`` (build, and the
+reason says the choice was requested).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["BACKEND_ENV", "backend_info", "cpu_extension"]
+
+BACKEND_ENV = "YOSO_KERNEL_BACKEND"
+_POLICIES = ("auto", "torch", "cpp")
+_CSRC = Path(__file__).resolve().parent / "csrc"
+# Two translation units: the torch-facing binding and the torch-free kernels (the header they
+# share only declares structs and functions, so any kernel change shows in a source's hash).
+_SOURCES = [_CSRC / "yoso_cpu.cpp", _CSRC / "yoso_cpu_kernels.cpp"]
+_EXTENSION_NAME = "yoso_serve_cpu"
+
+logger = logging.getLogger("yoso_serve.kernels")
+
+_lock = threading.Lock()
+_resolved = False
+_module: ModuleType | None = None
+_reason = ""
+
+
+def _policy() -> str:
+    value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if value not in _POLICIES:
+        raise ValueError(f"{BACKEND_ENV}={value!r} is not one of {', '.join(_POLICIES)}")
+    return value
+
+
+def _build() -> tuple[ModuleType | None, str]:
+    # Imported here, not at module level: cpp_extension pulls in setuptools and probes compilers.
+    from torch.utils.cpp_extension import load
+
+    try:
+        module = load(
+            name=_EXTENSION_NAME,
+            sources=[str(p) for p in _SOURCES],
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # any compiler/linker/import failure means "no extension", with the reason
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return None, f"C++ extension build failed ({type(exc).__name__}: {first_line[:300]})"
+    return module, "C++ extension built and loaded"
+
+
+def cpu_extension() -> ModuleType | None:
+    """The compiled ``yoso_serve_cpu`` module, or None when it is forced off or failed to build.
+
+    Built on the first call (thread-safe, once per process); later calls return the cached
+    outcome. Never raises for a build failure (the reason is logged and kept for
+    :func:`backend_info`); raises ValueError only for an unknown ``YOSO_KERNEL_BACKEND``.
+    """
+    global _resolved, _module, _reason
+    if _resolved:
+        return _module
+    with _lock:
+        if _resolved:
+            return _module
+        policy = _policy()
+        if policy == "torch":
+            module, reason = None, f"{BACKEND_ENV}=torch forces the pure-PyTorch ops"
+        else:
+            module, reason = _build()
+            if policy == "cpp":
+                reason = f"{BACKEND_ENV}=cpp requested; {reason}"
+        _module, _reason = module, reason
+        _resolved = True
+        backend = "cpp" if module is not None else "torch"
+        log = logger.info if module is not None or policy == "torch" else logger.warning
+        log("yoso_serve.kernels backend: %s (%s)", backend, reason)
+        return _module
+
+
+def backend_info() -> dict:
+    """Which attention backend is in use and why (builds the extensions on first call).
+
+    Returns ``{"backend": "cuda"|"cpp"|"torch", "reason": str, "openmp_threads": int,
+    "cuda": bool, "cuda_reason": str}``: "cuda" when torch sees a GPU and the CUDA extension
+    built, else "cpp" when the CPU extension built, else "torch". ``openmp_threads`` is the
+    thread count the OpenMP kernels (and torch's CPU ops) will use.
+    """
+    module = cpu_extension()
+    cuda_module = cuda_extension()
+    threads = module.openmp_max_threads() if module is not None else torch.get_num_threads()
+    backend = "cuda" if cuda_module is not None else "cpp" if module is not None else "torch"
+    return {
+        "backend": backend,
+        "reason": _cuda_reason if cuda_module is not None else _reason,
+        "openmp_threads": int(threads),
+        "cuda": cuda_module is not None,
+        "cuda_reason": _cuda_reason,
+    }
+
+
+# ---- CUDA extension: the same binding plus the yoso_cuda*.cu kernels, built with -DWITH_CUDA ----
+
+_CUDA_SOURCES = [*_SOURCES, *(_CSRC / name for name in ("yoso_cuda.cu", "yoso_cuda_weighted.cu", "yoso_cuda_hash.cu"))]
+_CUDA_EXTENSION_NAME = "yoso_serve_cuda"
+# The Docker image's targets: A100 (8.0), A10/RTX 30xx (8.6), L4/L40 (8.9), H100/H200 (9.0).
+DOCKER_CUDA_ARCHS = "8.0;8.6;8.9;9.0"
+
+_cuda_lock = threading.Lock()
+_cuda_resolved = False
+_cuda_module: ModuleType | None = None
+_cuda_reason = ""
+
+
+def _build_cuda() -> tuple[ModuleType | None, str]:
+    from torch.utils.cpp_extension import load
+
+    try:
+        module = load(
+            name=_CUDA_EXTENSION_NAME,
+            sources=[str(p) for p in _CUDA_SOURCES],
+            extra_cflags=["-O3", "-fopenmp", "-DWITH_CUDA"],
+            extra_cuda_cflags=["-O3", "-std=c++17"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # any compiler/linker/import failure means "no CUDA extension", with the reason
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return None, f"CUDA extension build failed ({type(exc).__name__}: {first_line[:300]})"
+    return module, "CUDA extension built and loaded"
+
+
+def cuda_extension() -> ModuleType | None:
+    """The compiled ``yoso_serve_cuda`` module (the CPU ops plus the ``*_cuda`` ops), or None.
+
+    None when torch sees no GPU, when ``YOSO_KERNEL_BACKEND=torch``, or when the build failed
+    (the reason is logged once and kept for :func:`backend_info`). Built on the first call
+    (thread-safe, once per process; a minute or two with nvcc), cached by torch afterwards.
+    """
+    global _cuda_resolved, _cuda_module, _cuda_reason
+    if _cuda_resolved:
+        return _cuda_module
+    with _cuda_lock:
+        if _cuda_resolved:
+            return _cuda_module
+        if _policy() == "torch":
+            module, reason = None, f"{BACKEND_ENV}=torch forces the pure-PyTorch ops"
+        elif not torch.cuda.is_available():
+            module, reason = None, "torch sees no CUDA device"
+        else:
+            module, reason = _build_cuda()
+        _cuda_module, _cuda_reason = module, reason
+        _cuda_resolved = True
+        failed = module is None and torch.cuda.is_available() and _policy() != "torch"
+        (logger.warning if failed else logger.info)("yoso_serve.kernels CUDA kernels: %s", reason)
+        return _cuda_module
+
+
+def precompile() -> int:
+    """Build every extension this machine can build into torch's extension cache; 0 if all built.
+
+    For the Docker image build, where no GPU is needed: the CUDA extension is built when torch
+    is a CUDA build and nvcc is found, for ``TORCH_CUDA_ARCH_LIST`` (default
+    ``DOCKER_CUDA_ARCHS``). Keep the same ``TORCH_CUDA_ARCH_LIST`` and ``TORCH_EXTENSIONS_DIR``
+    in the running container, or the first call rebuilds for the local GPU.
+    """
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DOCKER_CUDA_ARCHS)
+    results = [("cpu", *_build())]
+    if torch.version.cuda is not None and CUDA_HOME is not None:
+        results.append(("cuda", *_build_cuda()))
+    else:
+        print("cuda: skipped (torch is a CPU build or nvcc is missing)")
+    for name, module, reason in results:
+        print(f"{name}: {reason}")
+    return 0 if all(module is not None for _, module, _ in results) else 1
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build the yoso_serve kernel extensions ahead of time.")
+    parser.add_argument("--precompile", action="store_true", help="build into TORCH_EXTENSIONS_DIR, then exit")
+    if parser.parse_args().precompile:
+        raise SystemExit(precompile())
+    parser.print_help()

@@ -1,0 +1,333 @@
+// The one pybind11 binding of the YOSO CPU extension: validation, then plain params structs
+// go to the OpenMP kernels in yoso_cpu_kernels.cpp.
+//
+//   lsh_cumulate(q_codes, k_codes, v, hash_bits)                     -> (BH, Nq, Dv) fp32
+//   lsh_weighted_cumulate(q_codes, k_codes, q_w, k_w, v, hash_bits)  -> (BH, Nq, Dv) fp32
+//   fast_hash_codes(x, proj, num_hashes, hash_bits)                  -> (B, H, m, N) int32
+//
+// A negative code masks: such a key adds nothing, such a query reads zeros for that hash.
+// Every check names the limit it enforces (TORCH_CHECK -> RuntimeError in Python).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include "yoso_cpu.h"
+
+#ifdef WITH_CUDA
+#include <ATen/Context.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "yoso_cuda.h"
+#endif
+
+namespace {
+
+using yoso::kMaxHashBits;
+
+void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", c10::toString(dtype), ", got ",
+              c10::toString(t.scalar_type()));
+  TORCH_CHECK(t.dim() == rank, name, " must have rank ", rank, ", got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void check_codes_range(const torch::Tensor& codes, const char* name, int64_t buckets, int64_t hash_bits) {
+  if (codes.numel() == 0) return;
+  const int64_t top = codes.max().item<int64_t>();
+  TORCH_CHECK(top < buckets, name, " holds code ", top, " but hash_bits=", hash_bits,
+              " allows codes below 2^hash_bits = ", buckets, " (negative codes mean masked)");
+}
+
+yoso::CumulateParams check_common(const torch::Tensor& q_codes, const torch::Tensor& k_codes, const torch::Tensor& v,
+                            int64_t hash_bits) {
+  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+              hash_bits);
+  check_tensor(q_codes, "q_codes", at::kInt, 3);
+  check_tensor(k_codes, "k_codes", at::kInt, 3);
+  check_tensor(v, "v", at::kFloat, 3);
+  TORCH_CHECK(q_codes.size(0) == k_codes.size(0) && k_codes.size(0) == v.size(0),
+              "batch*heads must match: q_codes (BH, m, Nq) ", q_codes.sizes(), ", k_codes (BH, m, Nk) ",
+              k_codes.sizes(), ", v (BH, Nk, Dv) ", v.sizes());
+  TORCH_CHECK(q_codes.size(1) == k_codes.size(1), "number of hashes m must match: q_codes has ", q_codes.size(1),
+              ", k_codes has ", k_codes.size(1));
+  TORCH_CHECK(q_codes.size(1) >= 1, "number of hashes m must be at least 1, got ", q_codes.size(1));
+  TORCH_CHECK(k_codes.size(2) == v.size(1), "Nk must match: k_codes (BH, m, Nk) ", k_codes.sizes(),
+              " vs v (BH, Nk, Dv) ", v.sizes());
+  TORCH_CHECK(k_codes.size(2) < (int64_t(1) << 31), "Nk must be below 2^31, got ", k_codes.size(2));
+  const int64_t buckets = int64_t(1) << hash_bits;
+  check_codes_range(q_codes, "q_codes", buckets, hash_bits);
+  check_codes_range(k_codes, "k_codes", buckets, hash_bits);
+  yoso::CumulateParams p{};
+  p.q_codes = q_codes.data_ptr<int32_t>();
+  p.k_codes = k_codes.data_ptr<int32_t>();
+  p.v = v.data_ptr<float>();
+  p.bh = q_codes.size(0);
+  p.m = q_codes.size(1);
+  p.nq = q_codes.size(2);
+  p.nk = k_codes.size(2);
+  p.dv = v.size(2);
+  p.buckets = buckets;
+  return p;
+}
+
+#ifdef WITH_CUDA
+// ---- CUDA (yoso_cuda.cu): the same checks with CUDA devices, then the raw launchers ----
+
+void check_cuda_tensor(const torch::Tensor& t, const char* name, int64_t rank, const torch::Tensor& like) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
+  TORCH_CHECK(t.device() == like.device(), name, " must be on ", like.device(), " like the other inputs, got ",
+              t.device());
+  TORCH_CHECK(t.dim() == rank, name, " must have rank ", rank, ", got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+YosoDtype cuda_float_dtype(const torch::Tensor& t, const char* name) {
+  if (t.scalar_type() == at::kFloat) return YosoDtype::kFloat32;
+  if (t.scalar_type() == at::kHalf) return YosoDtype::kFloat16;
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be float32, float16 or bfloat16, got ",
+              c10::toString(t.scalar_type()));
+  return YosoDtype::kBFloat16;
+}
+
+void check_cuda_call(const char* err) { TORCH_CHECK(err == nullptr, "YOSO CUDA kernel: ", err); }
+
+YosoCumulateParams check_common_cuda(const torch::Tensor& q_codes, const torch::Tensor& k_codes,
+                                     const torch::Tensor& v, int64_t hash_bits) {
+  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+              hash_bits);
+  check_cuda_tensor(v, "v", 3, v);
+  check_cuda_tensor(q_codes, "q_codes", 3, v);
+  check_cuda_tensor(k_codes, "k_codes", 3, v);
+  TORCH_CHECK(q_codes.scalar_type() == at::kInt, "q_codes must be int32, got ", c10::toString(q_codes.scalar_type()));
+  TORCH_CHECK(k_codes.scalar_type() == at::kInt, "k_codes must be int32, got ", c10::toString(k_codes.scalar_type()));
+  TORCH_CHECK(q_codes.size(0) == k_codes.size(0) && k_codes.size(0) == v.size(0),
+              "batch*heads must match: q_codes (BH, m, Nq) ", q_codes.sizes(), ", k_codes (BH, m, Nk) ",
+              k_codes.sizes(), ", v (BH, Nk, Dv) ", v.sizes());
+  TORCH_CHECK(q_codes.size(1) == k_codes.size(1), "number of hashes m must match: q_codes has ", q_codes.size(1),
+              ", k_codes has ", k_codes.size(1));
+  TORCH_CHECK(q_codes.size(1) >= 1, "number of hashes m must be at least 1, got ", q_codes.size(1));
+  TORCH_CHECK(k_codes.size(2) == v.size(1), "Nk must match: k_codes (BH, m, Nk) ", k_codes.sizes(),
+              " vs v (BH, Nk, Dv) ", v.sizes());
+  TORCH_CHECK(q_codes.size(2) < (int64_t(1) << 31) && k_codes.size(2) < (int64_t(1) << 31),
+              "Nq and Nk must be below 2^31, got ", q_codes.size(2), " and ", k_codes.size(2));
+  const int64_t buckets = int64_t(1) << hash_bits;
+  check_codes_range(q_codes, "q_codes", buckets, hash_bits);
+  check_codes_range(k_codes, "k_codes", buckets, hash_bits);
+  YosoCumulateParams p{};
+  p.q_codes = q_codes.data_ptr<int32_t>();
+  p.k_codes = k_codes.data_ptr<int32_t>();
+  p.v = v.data_ptr();
+  p.dtype = cuda_float_dtype(v, "v");
+  p.bh = q_codes.size(0);
+  p.m = q_codes.size(1);
+  p.nq = q_codes.size(2);
+  p.nk = k_codes.size(2);
+  p.dv = v.size(2);
+  p.hash_bits = static_cast<int>(hash_bits);
+  return p;
+}
+
+torch::Tensor cuda_workspace(size_t bytes, const torch::Tensor& like) {
+  return torch::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+}
+
+torch::Tensor lsh_cumulate_cuda(const torch::Tensor& q_codes, const torch::Tensor& k_codes, const torch::Tensor& v,
+                                int64_t hash_bits, bool deterministic) {
+  const c10::cuda::CUDAGuard guard(v.device());
+  YosoCumulateParams p = check_common_cuda(q_codes, k_codes, v, hash_bits);
+  torch::Tensor out = torch::empty({p.bh, p.nq, p.dv}, v.options().dtype(at::kFloat));
+  p.out = out.data_ptr<float>();
+  p.deterministic = deterministic;
+  const torch::Tensor workspace = cuda_workspace(yoso_cumulate_workspace_bytes(p), v);
+  p.workspace = workspace.data_ptr();
+  check_cuda_call(yoso_lsh_cumulate(p, c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+torch::Tensor lsh_weighted_cumulate_cuda(const torch::Tensor& q_codes, const torch::Tensor& k_codes,
+                                         const torch::Tensor& q_w, const torch::Tensor& k_w, const torch::Tensor& v,
+                                         int64_t hash_bits) {
+  const c10::cuda::CUDAGuard guard(v.device());
+  YosoCumulateParams p = check_common_cuda(q_codes, k_codes, v, hash_bits);
+  check_cuda_tensor(q_w, "q_w", 3, v);
+  check_cuda_tensor(k_w, "k_w", 3, v);
+  TORCH_CHECK(q_w.scalar_type() == v.scalar_type() && k_w.scalar_type() == v.scalar_type(),
+              "q_w, k_w and v must share one dtype, got ", c10::toString(q_w.scalar_type()), ", ",
+              c10::toString(k_w.scalar_type()), ", ", c10::toString(v.scalar_type()));
+  TORCH_CHECK(q_w.size(0) == p.bh && q_w.size(1) == p.nq, "q_w must be (BH, Nq, Dw) = (", p.bh, ", ", p.nq,
+              ", Dw), got ", q_w.sizes());
+  TORCH_CHECK(k_w.size(0) == p.bh && k_w.size(1) == p.nk, "k_w must be (BH, Nk, Dw) = (", p.bh, ", ", p.nk,
+              ", Dw), got ", k_w.sizes());
+  TORCH_CHECK(q_w.size(2) == k_w.size(2), "Dw must match: q_w has ", q_w.size(2), ", k_w has ", k_w.size(2));
+  p.q_w = q_w.data_ptr();
+  p.k_w = k_w.data_ptr();
+  p.dw = q_w.size(2);
+  torch::Tensor out = torch::empty({p.bh, p.nq, p.dv}, v.options().dtype(at::kFloat));
+  p.out = out.data_ptr<float>();
+  const torch::Tensor workspace = cuda_workspace(yoso_weighted_cumulate_workspace_bytes(p), v);
+  p.workspace = workspace.data_ptr();
+  check_cuda_call(yoso_lsh_weighted_cumulate(p, c10::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+torch::Tensor hash_pack_cuda(const torch::Tensor& proj, int64_t num_hashes, int64_t hash_bits) {
+  const c10::cuda::CUDAGuard guard(proj.device());
+  check_cuda_tensor(proj, "proj", 3, proj);
+  TORCH_CHECK(proj.scalar_type() == at::kFloat, "proj must be float32, got ", c10::toString(proj.scalar_type()));
+  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+              hash_bits);
+  TORCH_CHECK(num_hashes >= 1 && proj.size(2) == num_hashes * hash_bits,
+              "proj must be (BH, N, num_hashes*hash_bits) = (BH, N, ", num_hashes * hash_bits, "), got ",
+              proj.sizes());
+  torch::Tensor codes = torch::empty({proj.size(0), num_hashes, proj.size(1)}, proj.options().dtype(at::kInt));
+  check_cuda_call(yoso_hash_pack(proj.data_ptr<float>(), codes.data_ptr<int32_t>(), proj.size(0), proj.size(1),
+                                 num_hashes, static_cast<int>(hash_bits), c10::cuda::getCurrentCUDAStream()));
+  return codes;
+}
+
+torch::Tensor hash_rotate_cuda(const torch::Tensor& x, const torch::Tensor& signs, int64_t hash_bits) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_cuda_tensor(x, "x", 3, x);
+  check_cuda_tensor(signs, "signs", 4, x);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && signs.scalar_type() == at::kFloat,
+              "x and signs must be float32, got ", c10::toString(x.scalar_type()), " and ",
+              c10::toString(signs.scalar_type()));
+  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+              hash_bits);
+  TORCH_CHECK(signs.size(2) == 3, "signs must be (H, m, 3, P), got ", signs.sizes());
+  TORCH_CHECK(signs.size(0) >= 1 && x.size(0) % signs.size(0) == 0,
+              "x rows (BH) must be a multiple of the heads H in signs (H, m, 3, P): ", x.sizes(), " vs ",
+              signs.sizes());
+  const int64_t p = signs.size(3);
+  TORCH_CHECK(p <= kYosoMaxRotateDim, "padded dimension P must be at most ", kYosoMaxRotateDim, ", got ", p);
+  TORCH_CHECK((p & (p - 1)) == 0 && p >= x.size(2) && p >= hash_bits,
+              "P must be a power of two >= max(D, hash_bits), got P=", p, " for D=", x.size(2));
+  torch::Tensor codes = torch::empty({x.size(0), signs.size(1), x.size(1)}, x.options().dtype(at::kInt));
+  check_cuda_call(yoso_hash_rotate(x.data_ptr<float>(), signs.data_ptr<float>(), codes.data_ptr<int32_t>(),
+                                   x.size(0), signs.size(0), x.size(1), x.size(2), signs.size(1), p,
+                                   static_cast<int>(hash_bits), c10::cuda::getCurrentCUDAStream()));
+  return codes;
+}
+
+torch::Tensor fast_hash_codes_cuda(const torch::Tensor& x, const torch::Tensor& proj, int64_t num_hashes,
+                                   int64_t hash_bits) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_cuda_tensor(x, "x", 4, x);
+  check_cuda_tensor(proj, "proj", 3, x);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && proj.scalar_type() == at::kFloat, "x and proj must be float32, got ",
+              c10::toString(x.scalar_type()), " and ", c10::toString(proj.scalar_type()));
+  TORCH_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
+  TORCH_CHECK(proj.size(0) == x.size(1) && proj.size(1) == x.size(3) && proj.size(2) == num_hashes * hash_bits,
+              "proj must be (H, D, num_hashes*hash_bits) = (", x.size(1), ", ", x.size(3), ", ", num_hashes * hash_bits,
+              ") for x (B, H, N, D) ", x.sizes(), ", got ", proj.sizes());
+  // One batched GEMM (cuBLAS) for every projection, then one kernel packs the sign bits.
+  const torch::Tensor scores = torch::matmul(x, proj).reshape({x.size(0) * x.size(1), x.size(2), proj.size(2)});
+  return hash_pack_cuda(scores, num_hashes, hash_bits).view({x.size(0), x.size(1), num_hashes, x.size(2)});
+}
+#endif  // WITH_CUDA
+
+torch::Tensor lsh_cumulate(const torch::Tensor& q_codes, const torch::Tensor& k_codes, const torch::Tensor& v,
+                           int64_t hash_bits) {
+#ifdef WITH_CUDA
+  if (v.is_cuda())
+    return lsh_cumulate_cuda(q_codes, k_codes, v, hash_bits, at::globalContext().deterministicAlgorithms());
+#endif
+  yoso::CumulateParams p = check_common(q_codes, k_codes, v, hash_bits);
+  torch::Tensor out = torch::zeros({p.bh, p.nq, p.dv}, v.options());
+  if (out.numel() == 0 || p.nk == 0) return out;
+  p.out = out.data_ptr<float>();
+  yoso::lsh_cumulate(p, at::get_num_threads());
+  return out;
+}
+
+torch::Tensor lsh_weighted_cumulate(const torch::Tensor& q_codes, const torch::Tensor& k_codes,
+                                    const torch::Tensor& q_w, const torch::Tensor& k_w, const torch::Tensor& v,
+                                    int64_t hash_bits) {
+#ifdef WITH_CUDA
+  if (v.is_cuda()) return lsh_weighted_cumulate_cuda(q_codes, k_codes, q_w, k_w, v, hash_bits);
+#endif
+  yoso::CumulateParams p = check_common(q_codes, k_codes, v, hash_bits);
+  check_tensor(q_w, "q_w", at::kFloat, 3);
+  check_tensor(k_w, "k_w", at::kFloat, 3);
+  TORCH_CHECK(q_w.size(0) == p.bh && q_w.size(1) == p.nq, "q_w must be (BH, Nq, Dw) = (", p.bh, ", ", p.nq,
+              ", Dw), got ", q_w.sizes());
+  TORCH_CHECK(k_w.size(0) == p.bh && k_w.size(1) == p.nk, "k_w must be (BH, Nk, Dw) = (", p.bh, ", ", p.nk,
+              ", Dw), got ", k_w.sizes());
+  TORCH_CHECK(q_w.size(2) == k_w.size(2), "Dw must match: q_w has ", q_w.size(2), ", k_w has ", k_w.size(2));
+  torch::Tensor out = torch::zeros({p.bh, p.nq, p.dv}, v.options());
+  p.dw = q_w.size(2);
+  if (out.numel() == 0 || p.nk == 0 || p.dw == 0) return out;
+  p.q_w = q_w.data_ptr<float>();
+  p.k_w = k_w.data_ptr<float>();
+  p.out = out.data_ptr<float>();
+  yoso::lsh_weighted_cumulate(p, at::get_num_threads());
+  return out;
+}
+
+torch::Tensor fast_hash_codes(const torch::Tensor& x, const torch::Tensor& proj, int64_t num_hashes,
+                              int64_t hash_bits) {
+#ifdef WITH_CUDA
+  if (x.is_cuda()) return fast_hash_codes_cuda(x, proj, num_hashes, hash_bits);
+#endif
+  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+              hash_bits);
+  TORCH_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
+  check_tensor(x, "x", at::kFloat, 4);
+  check_tensor(proj, "proj", at::kFloat, 3);
+  TORCH_CHECK(proj.size(0) == x.size(1) && proj.size(1) == x.size(3) && proj.size(2) == num_hashes * hash_bits,
+              "proj must be (H, D, num_hashes*hash_bits) = (", x.size(1), ", ", x.size(3), ", ", num_hashes * hash_bits,
+              ") for x (B, H, N, D) ", x.sizes(), ", got ", proj.sizes());
+  torch::Tensor codes = torch::empty({x.size(0), x.size(1), num_hashes, x.size(2)}, x.options().dtype(at::kInt));
+  if (codes.numel() == 0) return codes;
+  if (x.size(3) == 0) return codes.zero_();
+  yoso::HashParams p{};
+  p.x = x.data_ptr<float>();
+  p.proj = proj.data_ptr<float>();
+  p.codes = codes.data_ptr<int32_t>();
+  p.batch = x.size(0);
+  p.heads = x.size(1);
+  p.n = x.size(2);
+  p.d = x.size(3);
+  p.m = num_hashes;
+  p.hash_bits = int(hash_bits);
+  yoso::hash_codes(p, at::get_num_threads());
+  return codes;
+}
+
+int openmp_max_threads() { return at::get_num_threads(); }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "YOSO LSH cumulation and hash codes on CPU (OpenMP)";
+  m.def("lsh_cumulate", &lsh_cumulate, "(q_codes, k_codes, v, hash_bits) -> (BH, Nq, Dv) fp32",
+        py::arg("q_codes"), py::arg("k_codes"), py::arg("v"), py::arg("hash_bits"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("lsh_weighted_cumulate", &lsh_weighted_cumulate,
+        "(q_codes, k_codes, q_w, k_w, v, hash_bits) -> (BH, Nq, Dv) fp32", py::arg("q_codes"), py::arg("k_codes"),
+        py::arg("q_w"), py::arg("k_w"), py::arg("v"), py::arg("hash_bits"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fast_hash_codes", &fast_hash_codes,
+        "(x (B, H, N, D) fp32, proj (H, D, m*tau) fp32, num_hashes, hash_bits) -> (B, H, m, N) int32 codes",
+        py::arg("x"), py::arg("proj"), py::arg("num_hashes"), py::arg("hash_bits"),
+        py::call_guard<py::gil_scoped_release>());
+#ifdef WITH_CUDA
+  m.def("lsh_cumulate_cuda", &lsh_cumulate_cuda,
+        "(q_codes, k_codes, v, hash_bits, deterministic=False) -> (BH, Nq, Dv) fp32 on v's CUDA device",
+        py::arg("q_codes"), py::arg("k_codes"), py::arg("v"), py::arg("hash_bits"), py::arg("deterministic") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("lsh_weighted_cumulate_cuda", &lsh_weighted_cumulate_cuda,
+        "(q_codes, k_codes, q_w, k_w, v, hash_bits) -> (BH, Nq, Dv) fp32 on v's CUDA device (deterministic)",
+        py::arg("q_codes"), py::arg("k_codes"), py::arg("q_w"), py::arg("k_w"), py::arg("v"), py::arg("hash_bits"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("hash_pack_cuda", &hash_pack_cuda, "(proj (BH, N, m*tau) fp32, num_hashes, hash_bits) -> (BH, m, N) int32",
+        py::arg("proj"), py::arg("num_hashes"), py::arg("hash_bits"), py::call_guard<py::gil_scoped_release>());
+  m.def("hash_rotate_cuda", &hash_rotate_cuda,
+        "(x (BH, N, D) fp32, signs (H, m, 3, P) fp32, hash_bits) -> (BH, m, N) int32",
+        py::arg("x"), py::arg("signs"), py::arg("hash_bits"), py::call_guard<py::gil_scoped_release>());
+#endif
+  m.def("openmp_max_threads", &openmp_max_threads, "threads the kernels run on (torch's intra-op count)");
+}

@@ -1,0 +1,354 @@
+// YOSO CPU kernels (OpenMP): LSH cumulation, weighted cumulation, hash codes.
+//
+// Determinism: every output row is owned by exactly one thread and is accumulated hash by
+// hash in increasing h; every bucket table is filled by one thread scanning keys in
+// increasing j. Threads split work only along those ownership lines, so results are
+// bit-identical across runs and across OpenMP thread counts on a given machine.
+//
+// Tables are compact: a bucket gets a table row only when some key lands in it (slot_of maps
+// code -> row, -1 when empty), so memory is min(2^tau, Nk) rows per hash however large tau is.
+// No torch headers here: this file compiles in seconds.
+
+#include "yoso_cpu.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <vector>
+
+// Hot loops are compiled twice, for AVX2+FMA (x86-64-v3) and for the baseline, and the loader
+// picks one per machine: the build stays portable (no -march=native) and a given machine
+// always runs the same code.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define YOSO_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define YOSO_SIMD_CLONES
+#endif
+
+namespace yoso {
+namespace {
+
+// Bucket tables of a group of hashes are built before the queries read them; the group is as
+// many hashes as fit this budget (at least one). tau=8, D=64: 64 KiB per hash, so all of m=32
+// hashes fit and every output row is finished in one pass.
+constexpr int64_t kTableBudgetBytes = int64_t(16) << 20;
+// The weighted table (Dw x Dv per bucket) is used only while it stays under this size; past
+// it (large tau, long sequences) the per-bucket key lists are walked directly.
+constexpr int64_t kWeightedTableBudgetBytes = int64_t(64) << 20;
+constexpr int64_t kRowBlock = 64;  // query rows per work item
+// Fewest multiply-adds worth waking another thread for (about 0.1 ms of work): like torch's
+// grain size, small calls stay on the calling thread, where a shared CPU cannot stall them at
+// a barrier waiting for a descheduled worker. Thread counts never change results.
+constexpr int64_t kGrainOps = int64_t(1) << 18;
+
+int threads_for(int64_t ops, int nthreads) {
+  return int(std::max<int64_t>(1, std::min<int64_t>(nthreads, ops / kGrainOps)));
+}
+
+inline void add_row(float* __restrict dst, const float* __restrict src, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) dst[d] += src[d];
+}
+
+inline void axpy_row(float* __restrict dst, float a, const float* __restrict src, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) dst[d] += a * src[d];
+}
+
+inline void scale_row(float* __restrict dst, float a, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) dst[d] *= a;
+}
+
+inline float dot_row(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// Sum V rows per occupied bucket of one hash; slots are numbered by first key to arrive.
+YOSO_SIMD_CLONES
+void build_value_table(const int32_t* codes, const float* v, int64_t nk, int64_t dv, int32_t* slot_of,
+                       float* table) {
+  int32_t used = 0;
+  for (int64_t j = 0; j < nk; ++j) {
+    const int32_t c = codes[j];
+    if (c < 0) continue;
+    int32_t s = slot_of[c];
+    if (s < 0) {
+      slot_of[c] = s = used++;
+      std::copy(v + j * dv, v + (j + 1) * dv, table + int64_t(s) * dv);
+    } else {
+      add_row(table + int64_t(s) * dv, v + j * dv, dv);
+    }
+  }
+}
+
+void clear_slots(const int32_t* codes, int64_t nk, int32_t* slot_of) {
+  for (int64_t j = 0; j < nk; ++j)
+    if (codes[j] >= 0) slot_of[codes[j]] = -1;
+}
+
+// Rows [i0, i1) of one (batch*head) add the tables of hashes h0 .. h0+hn-1. Hash-major over a
+// small block of rows keeps one table hot in cache; each row still sums its hashes in order.
+YOSO_SIMD_CLONES
+void gather_rows(const CumulateParams& p, const int32_t* qc, int64_t h0, int64_t hn, const int32_t* slot_of,
+                 const float* tables, int64_t slots, float* out, int64_t i0, int64_t i1, float scale) {
+  for (int64_t t = 0; t < hn; ++t) {
+    const int32_t* codes = qc + (h0 + t) * p.nq;
+    const int32_t* slot_of_t = slot_of + t * p.buckets;
+    const float* table = tables + t * slots * p.dv;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int32_t c = codes[i];
+      if (c < 0) continue;
+      const int32_t s = slot_of_t[c];
+      if (s >= 0) add_row(out + i * p.dv, table + int64_t(s) * p.dv, p.dv);
+    }
+  }
+  if (scale != 1.f)
+    for (int64_t i = i0; i < i1; ++i) scale_row(out + i * p.dv, scale, p.dv);
+}
+
+// Keys of one hash grouped by bucket (a counting sort that keeps j increasing in a bucket).
+struct BucketLists {
+  std::vector<int32_t> slot_of;  // code -> slot, -1 when no key has that code
+  std::vector<int64_t> start;    // slot -> first index into order; start[used] = keys kept
+  std::vector<int32_t> order;    // key indices, bucket by bucket
+  int32_t used = 0;
+
+  BucketLists(int64_t buckets, int64_t nk) : slot_of(buckets, -1), start(std::min(buckets, nk) + 1), order(nk) {}
+
+  void build(const int32_t* codes, int64_t nk) {
+    used = 0;
+    std::fill(start.begin(), start.end(), 0);
+    for (int64_t j = 0; j < nk; ++j) {
+      const int32_t c = codes[j];
+      if (c < 0) continue;
+      if (slot_of[c] < 0) slot_of[c] = used++;
+      ++start[slot_of[c] + 1];
+    }
+    for (int32_t s = 0; s < used; ++s) start[s + 1] += start[s];
+    std::vector<int64_t> next(start.begin(), start.begin() + used);
+    for (int64_t j = 0; j < nk; ++j)
+      if (codes[j] >= 0) order[next[slot_of[codes[j]]]++] = int32_t(j);
+  }
+
+  int32_t slot(int32_t code) const { return code < 0 ? -1 : slot_of[code]; }
+};
+
+// Rows [a0, a1) of bucket s's Dw x Dv table: sum over its keys of k_w[j][a] * v[j].
+YOSO_SIMD_CLONES
+void fill_weighted_table(const CumulateParams& p, const BucketLists& lists, const float* kw, const float* v,
+                         int64_t s, int64_t a0, int64_t a1, float* table) {
+  std::fill(table + a0 * p.dv, table + a1 * p.dv, 0.f);
+  for (int64_t e = lists.start[s]; e < lists.start[s + 1]; ++e) {
+    const int64_t j = lists.order[e];
+    for (int64_t a = a0; a < a1; ++a) axpy_row(table + a * p.dv, kw[j * p.dw + a], v + j * p.dv, p.dv);
+  }
+}
+
+// Rows [i0, i1) of one hash: out[i] += q_w[i] @ T[bucket(i)] (table) or walk the bucket's keys.
+YOSO_SIMD_CLONES
+void gather_weighted_rows(const CumulateParams& p, const BucketLists& lists, const int32_t* qc, const float* qw,
+                          const float* kw, const float* v, const float* table, float* out, int64_t i0, int64_t i1,
+                          float scale) {
+  const int64_t cell = p.dw * p.dv;
+  for (int64_t i = i0; i < i1; ++i) {
+    float* o = out + i * p.dv;
+    const int32_t s = lists.slot(qc[i]);
+    if (s >= 0 && table != nullptr) {
+      const float* t = table + int64_t(s) * cell;
+      for (int64_t a = 0; a < p.dw; ++a) axpy_row(o, qw[i * p.dw + a], t + a * p.dv, p.dv);
+    } else if (s >= 0) {
+      for (int64_t e = lists.start[s]; e < lists.start[s + 1]; ++e) {
+        const int64_t j = lists.order[e];
+        axpy_row(o, dot_row(qw + i * p.dw, kw + j * p.dw, p.dw), v + j * p.dv, p.dv);
+      }
+    }
+    if (scale != 1.f) scale_row(o, scale, p.dv);
+  }
+}
+
+constexpr int kHashRows = 4;   // rows of x projected together (register block)
+constexpr int kHashCols = 16;  // projection columns per register block
+
+// scores (kHashRows, cols) = x (kHashRows, d) @ w (d, cols); cols is a multiple of kHashCols.
+YOSO_SIMD_CLONES
+void project_rows(const float* x, const float* w, int64_t d, int64_t cols, float* scores) {
+  for (int64_t c0 = 0; c0 < cols; c0 += kHashCols) {
+    float acc[kHashRows][kHashCols] = {};
+    for (int64_t k = 0; k < d; ++k) {
+      const float* wk = w + k * cols + c0;
+#pragma GCC unroll 4
+      for (int r = 0; r < kHashRows; ++r) {
+        const float xr = x[r * d + k];
+#pragma omp simd
+        for (int c = 0; c < kHashCols; ++c) acc[r][c] += xr * wk[c];
+      }
+    }
+    for (int r = 0; r < kHashRows; ++r) std::copy(acc[r], acc[r] + kHashCols, scores + r * cols + c0);
+  }
+}
+
+// Scratch of one team working on one (batch*head): the bucket tables of a group of hashes.
+struct ValueTables {
+  int64_t slots, group;
+  std::vector<float> tables;     // (group, slots, Dv)
+  std::vector<int32_t> slot_of;  // (group, 2^tau), -1 between uses
+
+  explicit ValueTables(const CumulateParams& p) : slots(std::min(p.buckets, p.nk)) {
+    const int64_t per_hash = slots * p.dv * int64_t(sizeof(float)) + p.buckets * int64_t(sizeof(int32_t));
+    group = std::max<int64_t>(1, std::min<int64_t>(p.m, kTableBudgetBytes / per_hash));
+    tables.resize(group * slots * p.dv);
+    slot_of.assign(group * p.buckets, -1);
+  }
+};
+
+// One (batch*head) b by a team of `team` threads (1: the calling thread alone, no barriers).
+void cumulate_head(const CumulateParams& p, int64_t b, ValueTables& ws, int team) {
+  const int32_t* qc = p.q_codes + b * p.m * p.nq;
+  const int32_t* kc = p.k_codes + b * p.m * p.nk;
+  const int64_t blocks = (p.nq + kRowBlock - 1) / kRowBlock;
+#pragma omp parallel num_threads(team) if (team > 1)
+  for (int64_t h0 = 0; h0 < p.m; h0 += ws.group) {
+    const int64_t hn = std::min(ws.group, p.m - h0);
+    const float scale = h0 + hn == p.m ? 1.f / float(p.m) : 1.f;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < hn; ++t)
+      build_value_table(kc + (h0 + t) * p.nk, p.v + b * p.nk * p.dv, p.nk, p.dv, ws.slot_of.data() + t * p.buckets,
+                        ws.tables.data() + t * ws.slots * p.dv);
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < blocks; ++blk)
+      gather_rows(p, qc, h0, hn, ws.slot_of.data(), ws.tables.data(), ws.slots, p.out + b * p.nq * p.dv,
+                  blk * kRowBlock, std::min(p.nq, (blk + 1) * kRowBlock), scale);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < hn; ++t) clear_slots(kc + (h0 + t) * p.nk, p.nk, ws.slot_of.data() + t * p.buckets);
+  }
+}
+
+// Scratch of one team for the weighted cumulation: bucket lists and the Dw x Dv tables.
+struct WeightedTables {
+  BucketLists lists;
+  std::vector<float> table;  // (used, Dw, Dv), grown on demand up to the budget
+
+  explicit WeightedTables(const CumulateParams& p) : lists(p.buckets, p.nk) {}
+};
+
+void weighted_cumulate_head(const CumulateParams& p, int64_t b, WeightedTables& ws, int team) {
+  const float* qw = p.q_w + b * p.nq * p.dw;
+  const float* kw = p.k_w + b * p.nk * p.dw;
+  const float* v = p.v + b * p.nk * p.dv;
+  float* out = p.out + b * p.nq * p.dv;
+  const int64_t cell = p.dw * p.dv;
+  constexpr int64_t kTableRows = 8;  // Dw rows of one bucket table per work item
+  const int64_t chunks = (p.dw + kTableRows - 1) / kTableRows;
+  const int64_t blocks = (p.nq + kRowBlock - 1) / kRowBlock;
+  BucketLists& lists = ws.lists;
+  bool use_table = false;
+#pragma omp parallel num_threads(team) if (team > 1)
+  for (int64_t h = 0; h < p.m; ++h) {
+    const int32_t* qc = p.q_codes + (b * p.m + h) * p.nq;
+    const int32_t* kc = p.k_codes + (b * p.m + h) * p.nk;
+    const float scale = h + 1 == p.m ? 1.f / float(p.m) : 1.f;
+#pragma omp single
+    {
+      lists.build(kc, p.nk);
+      // The cheaper exact scheme for this hash, from its bucket sizes: a Dw x Dv table per
+      // bucket costs (keys + queries) * Dw * Dv; walking each query's bucket costs
+      // (colliding pairs) * (Dw + Dv). The data decides, never the thread count, and both
+      // sum each output row in the same order whichever thread runs it.
+      int64_t pairs = 0;
+      for (int64_t i = 0; i < p.nq; ++i) {
+        const int32_t s = lists.slot(qc[i]);
+        if (s >= 0) pairs += lists.start[s + 1] - lists.start[s];
+      }
+      const int64_t table_cost = (lists.start[lists.used] + p.nq + lists.used) * cell;
+      const int64_t table_bytes = lists.used * cell * int64_t(sizeof(float));
+      use_table = table_cost < pairs * (p.dw + p.dv) && table_bytes <= kWeightedTableBudgetBytes;
+      if (use_table && int64_t(ws.table.size()) < lists.used * cell) ws.table.resize(lists.used * cell);
+    }
+    if (use_table) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t item = 0; item < lists.used * chunks; ++item) {
+        const int64_t s = item / chunks, a0 = (item % chunks) * kTableRows;
+        fill_weighted_table(p, lists, kw, v, s, a0, std::min(p.dw, a0 + kTableRows), ws.table.data() + s * cell);
+      }
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t blk = 0; blk < blocks; ++blk)
+      gather_weighted_rows(p, lists, qc, qw, kw, v, use_table ? ws.table.data() : nullptr, out, blk * kRowBlock,
+                           std::min(p.nq, (blk + 1) * kRowBlock), scale);
+#pragma omp single
+    clear_slots(kc, p.nk, lists.slot_of.data());
+  }
+}
+
+// With at least as many (batch*head) slices as threads, each thread takes whole slices and runs
+// them alone (no barriers, which cost most when the CPU is shared); otherwise all threads work
+// on one slice at a time. Both orders give every output row the same arithmetic.
+template <typename Scratch, typename Head>
+void over_heads(const CumulateParams& p, int nthreads, Head head) {
+  if (p.bh >= nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+      Scratch ws(p);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t b = 0; b < p.bh; ++b) head(p, b, ws, 1);
+    }
+  } else {
+    Scratch ws(p);
+    for (int64_t b = 0; b < p.bh; ++b) head(p, b, ws, nthreads);
+  }
+}
+
+}  // namespace
+
+void lsh_cumulate(const CumulateParams& p, int nthreads) {
+  const int64_t ops = p.bh * p.m * (p.nq + p.nk) * p.dv;
+  over_heads<ValueTables>(p, threads_for(ops, nthreads), cumulate_head);
+}
+
+void lsh_weighted_cumulate(const CumulateParams& p, int nthreads) {
+  const int64_t ops = p.bh * p.m * (p.nq + p.nk) * (p.dw + p.dv);
+  over_heads<WeightedTables>(p, threads_for(ops, nthreads), weighted_cumulate_head);
+}
+
+void hash_codes(const HashParams& p, int nthreads) {
+  const int64_t cols = p.m * p.hash_bits;
+  const int64_t padded = (cols + kHashCols - 1) / kHashCols * kHashCols;
+  // Projections with zero columns up to a whole register block, so the inner kernel has no tail.
+  std::vector<float> w(p.heads * p.d * padded, 0.f);
+  for (int64_t h = 0; h < p.heads; ++h)
+    for (int64_t k = 0; k < p.d; ++k)
+      std::copy(p.proj + (h * p.d + k) * cols, p.proj + (h * p.d + k + 1) * cols, w.data() + (h * p.d + k) * padded);
+  const int64_t blocks = (p.n + kHashRows - 1) / kHashRows;
+
+#pragma omp parallel num_threads(threads_for(p.batch * p.heads * p.n * p.d * cols, nthreads))
+  {
+    std::vector<float> xs(kHashRows * p.d), scores(kHashRows * padded);
+#pragma omp for schedule(dynamic, 32)
+    for (int64_t item = 0; item < p.batch * p.heads * blocks; ++item) {
+      const int64_t bh = item / blocks, head = bh % p.heads, i0 = (item % blocks) * kHashRows;
+      const int64_t rows = std::min<int64_t>(kHashRows, p.n - i0);
+      const float* x = p.x + (bh * p.n + i0) * p.d;
+      if (rows < kHashRows) {  // the last block of a sequence: zero rows stand in for the missing ones
+        std::fill(xs.begin(), xs.end(), 0.f);
+        std::copy(x, x + rows * p.d, xs.begin());
+        x = xs.data();
+      }
+      project_rows(x, w.data() + head * p.d * padded, p.d, padded, scores.data());
+      int32_t* codes = p.codes + bh * p.m * p.n + i0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* s = scores.data() + r * padded;
+        for (int64_t h = 0; h < p.m; ++h) {
+          int32_t code = 0;
+          for (int t = 0; t < p.hash_bits; ++t) code |= int32_t(s[h * p.hash_bits + t] > 0.f) << t;
+          codes[h * p.n + r] = code;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace yoso

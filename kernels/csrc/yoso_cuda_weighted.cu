@@ -1,0 +1,229 @@
+// YOSO weighted LSH cumulation on CUDA (the backward of eq. 13-14). Design notes: docs/cuda.md.
+//
+//   out[i] = (1/m) sum_h sum_j [codes equal] (q_w[i] . k_w[j]) v[j]
+//
+// One launch per hash; one block per (bh, bucket) owns that bucket's queries, so each output
+// row has one writer per launch and is accumulated hash by hash in increasing h, without
+// atomics: the result is bit-identical from run to run. A bucket is served pairwise (cost
+// nq*nk*(dw+dv), linear in D) when that is cheaper than building its dw x dv table (cost
+// (nq+nk)*dw*dv, quadratic in D but independent of the bucket's pair count).
+
+#include "yoso_cuda_common.cuh"
+
+namespace {
+
+constexpr int kKeyTile = 16;    // keys staged per step of the table scheme
+constexpr int kQueryTile = 64;  // queries staged per step of the table scheme
+constexpr int kMicro = 4;       // register block edge of the table scheme
+
+struct WeightedArgs {
+  const void* q_w;
+  const void* k_w;
+  const void* v;
+  float* out;
+  const int32_t *q_perm, *q_off, *k_perm, *k_off;
+  int64_t nq, nk, dw, dv, group, hs;
+  int nb, table_cols;  // table_cols: dv columns per table pass, 0 = tables do not fit
+  float scale;
+};
+
+template <typename T>
+__device__ void weighted_pairwise(const WeightedArgs& a, int64_t bh, int qs, int qe, int ks, int ke) {
+  const T* qw = static_cast<const T*>(a.q_w) + bh * a.nq * a.dw;
+  const T* kw = static_cast<const T*>(a.k_w) + bh * a.nk * a.dw;
+  const T* v = static_cast<const T*>(a.v) + bh * a.nk * a.dv;
+  const int32_t* kp = a.k_perm + (bh * a.group + a.hs) * a.nk;
+  const int lane = threadIdx.x % 32;
+  for (int p = qs + threadIdx.x / 32; p < qe; p += kWarps) {
+    const int64_t i = a.q_perm[(bh * a.group + a.hs) * a.nq + p];
+    float* o = a.out + (bh * a.nq + i) * a.dv;
+    for (int64_t d0 = 0; d0 < a.dv; d0 += 128) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int pk = ks; pk < ke; ++pk) {
+        const int64_t j = kp[pk];
+        float dot = 0.f;
+        for (int64_t w = lane; w < a.dw; w += 32) dot += load(qw, i * a.dw + w) * load(kw, j * a.dw + w);
+        for (int off = 16; off > 0; off /= 2) dot += __shfl_down_sync(kFull, dot, off);
+        dot = __shfl_sync(kFull, dot, 0);  // one value for every lane keeps columns consistent
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const int64_t d = d0 + lane + 32 * t;
+          if (d < a.dv) acc[t] += dot * load(v, j * a.dv + d);
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const int64_t d = d0 + lane + 32 * t;
+        if (d < a.dv) o[d] += a.scale * acc[t];
+      }
+    }
+  }
+}
+
+// The bucket's dw x cols table T = sum_j k_w[j] (x) v[j] is built in shared memory from key tiles,
+// then applied to query tiles. Each thread works on kMicro x kMicro register blocks, so one
+// shared-memory load feeds kMicro FMAs; every table entry and output is summed in a fixed order.
+template <typename T>
+__device__ void weighted_table(const WeightedArgs& a, int64_t bh, int qs, int qe, int ks, int ke) {
+  extern __shared__ float smem[];
+  const int cols = a.table_cols, dw = static_cast<int>(a.dw), qstride = dw + 1;
+  float* tab = smem;                  // (dw, width), row stride width
+  float* kws = tab + dw * cols;       // (kKeyTile, dw)
+  float* vs = kws + kKeyTile * dw;    // (kKeyTile, cols)
+  float* qws = vs + kKeyTile * cols;  // (kQueryTile, dw + 1): the pad spreads rows over banks
+  const T* qw = static_cast<const T*>(a.q_w) + bh * a.nq * a.dw;
+  const T* kw = static_cast<const T*>(a.k_w) + bh * a.nk * a.dw;
+  const T* v = static_cast<const T*>(a.v) + bh * a.nk * a.dv;
+  const int32_t* kp = a.k_perm + (bh * a.group + a.hs) * a.nk;
+  const int32_t* qp = a.q_perm + (bh * a.group + a.hs) * a.nq;
+  const int tiles_w = (dw + kMicro - 1) / kMicro;
+  for (int64_t d0 = 0; d0 < a.dv; d0 += cols) {
+    const int width = static_cast<int>(min64(cols, a.dv - d0));
+    const int tiles_d = (width + kMicro - 1) / kMicro;
+    for (int e = threadIdx.x; e < dw * width; e += kThreads) tab[e] = 0.f;
+    __syncthreads();
+    for (int kb = ks; kb < ke; kb += kKeyTile) {
+      const int n = min(kKeyTile, ke - kb);
+      for (int e = threadIdx.x; e < n * dw; e += kThreads) kws[e] = load(kw, int64_t(kp[kb + e / dw]) * a.dw + e % dw);
+      for (int e = threadIdx.x; e < n * width; e += kThreads)
+        vs[(e / width) * cols + e % width] = load(v, int64_t(kp[kb + e / width]) * a.dv + d0 + e % width);
+      __syncthreads();
+      for (int t = threadIdx.x; t < tiles_w * tiles_d; t += kThreads) {
+        const int w0 = (t / tiles_d) * kMicro, c0 = (t % tiles_d) * kMicro;
+        float acc[kMicro][kMicro];
+#pragma unroll
+        for (int i = 0; i < kMicro; ++i)
+#pragma unroll
+          for (int j = 0; j < kMicro; ++j)
+            acc[i][j] = w0 + i < dw && c0 + j < width ? tab[(w0 + i) * width + c0 + j] : 0.f;
+        for (int r = 0; r < n; ++r) {
+          float kv[kMicro], vv[kMicro];
+#pragma unroll
+          for (int i = 0; i < kMicro; ++i) {
+            kv[i] = w0 + i < dw ? kws[r * dw + w0 + i] : 0.f;
+            vv[i] = c0 + i < width ? vs[r * cols + c0 + i] : 0.f;
+          }
+#pragma unroll
+          for (int i = 0; i < kMicro; ++i)
+#pragma unroll
+            for (int j = 0; j < kMicro; ++j) acc[i][j] += kv[i] * vv[j];
+        }
+#pragma unroll
+        for (int i = 0; i < kMicro; ++i)
+#pragma unroll
+          for (int j = 0; j < kMicro; ++j)
+            if (w0 + i < dw && c0 + j < width) tab[(w0 + i) * width + c0 + j] = acc[i][j];
+      }
+      __syncthreads();
+    }
+    for (int qb = qs; qb < qe; qb += kQueryTile) {
+      const int n = min(kQueryTile, qe - qb);
+      for (int e = threadIdx.x; e < n * dw; e += kThreads)
+        qws[(e / dw) * qstride + e % dw] = load(qw, int64_t(qp[qb + e / dw]) * a.dw + e % dw);
+      __syncthreads();
+      const int tiles_r = (n + kMicro - 1) / kMicro;
+      for (int t = threadIdx.x; t < tiles_r * tiles_d; t += kThreads) {
+        const int r0 = (t / tiles_d) * kMicro, c0 = (t % tiles_d) * kMicro;
+        float acc[kMicro][kMicro] = {};
+        for (int w = 0; w < dw; ++w) {
+          float qv[kMicro], tv[kMicro];
+#pragma unroll
+          for (int i = 0; i < kMicro; ++i) {
+            qv[i] = r0 + i < n ? qws[(r0 + i) * qstride + w] : 0.f;
+            tv[i] = c0 + i < width ? tab[w * width + c0 + i] : 0.f;
+          }
+#pragma unroll
+          for (int i = 0; i < kMicro; ++i)
+#pragma unroll
+            for (int j = 0; j < kMicro; ++j) acc[i][j] += qv[i] * tv[j];
+        }
+#pragma unroll
+        for (int i = 0; i < kMicro; ++i) {
+          if (r0 + i >= n) continue;
+          float* o = a.out + (bh * a.nq + qp[qb + r0 + i]) * a.dv + d0 + c0;
+#pragma unroll
+          for (int j = 0; j < kMicro; ++j)
+            if (c0 + j < width) o[j] += a.scale * acc[i][j];
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) weighted_kernel(WeightedArgs a) {
+  const int64_t bh = blockIdx.x / a.nb;
+  const int b = static_cast<int>(blockIdx.x % a.nb);
+  const int32_t* qo = a.q_off + (bh * a.group + a.hs) * (a.nb + 1);
+  const int32_t* ko = a.k_off + (bh * a.group + a.hs) * (a.nb + 1);
+  const int qs = qo[b], qe = qo[b + 1], ks = ko[b], ke = ko[b + 1];
+  if (qs == qe || ks == ke) return;  // block-uniform: both paths below use __syncthreads
+  const int64_t pair_cost = int64_t(qe - qs) * (ke - ks) * (a.dw + a.dv);
+  const int64_t table_cost = int64_t(qe - qs + ke - ks) * a.dw * a.dv;
+  if (a.table_cols == 0 || pair_cost <= table_cost)
+    weighted_pairwise<T>(a, bh, qs, qe, ks, ke);
+  else
+    weighted_table<T>(a, bh, qs, qe, ks, ke);
+}
+
+size_t weighted_smem(int64_t dw, int64_t cols) {
+  return size_t(dw * cols + kKeyTile * dw + kKeyTile * cols + kQueryTile * (dw + 1)) * sizeof(float);
+}
+
+// dv columns per table pass so that the table and its staging fit kStaticSmem; 0 = never fits
+// (dw > ~150), and every bucket is served pairwise.
+int weighted_table_cols(int64_t dw, int64_t dv) {
+  const int64_t floats = kStaticSmem / sizeof(float);
+  const int64_t cols = (floats - kKeyTile * dw - kQueryTile * (dw + 1)) / (dw + kKeyTile);
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>({cols, dv, 64})));
+}
+
+template <typename T>
+const char* weighted(const YosoCumulateParams& p, cudaStream_t stream) {
+  const int nb = 1 << p.hash_bits;
+  const Layout l = plan(p, true);
+  char* ws = static_cast<char*>(p.workspace);
+  int32_t* q_perm = reinterpret_cast<int32_t*>(ws);
+  int32_t* k_perm = reinterpret_cast<int32_t*>(ws + l.perm_q);
+  int32_t* q_off = reinterpret_cast<int32_t*>(ws + l.perm_q + l.perm_k);
+  int32_t* k_off = reinterpret_cast<int32_t*>(ws + l.perm_q + l.perm_k + l.offsets);
+  int32_t* cursors = l.cursors ? reinterpret_cast<int32_t*>(ws + l.perm_q + l.perm_k + 2 * l.offsets) : nullptr;
+  const int cols = weighted_table_cols(p.dw, p.dv);
+  const size_t smem = cols > 0 ? weighted_smem(p.dw, cols) : 0;
+  if (cudaMemsetAsync(p.out, 0, size_t(p.bh) * p.nq * p.dv * sizeof(float), stream) != cudaSuccess) return launched();
+  for (int64_t h0 = 0; h0 < p.m; h0 += l.group) {
+    const int64_t group = std::min<int64_t>(l.group, p.m - h0);
+    if (const char* err = sort_codes(p.q_codes, p.bh, p.m, p.nq, h0, group, nb, q_perm, q_off, cursors, stream))
+      return err;
+    if (const char* err = sort_codes(p.k_codes, p.bh, p.m, p.nk, h0, group, nb, k_perm, k_off, cursors, stream))
+      return err;
+    for (int64_t hs = 0; hs < group; ++hs) {
+      const WeightedArgs a{p.q_w, p.k_w, p.v, p.out, q_perm, q_off, k_perm, k_off, p.nq, p.nk, p.dw, p.dv,
+                           group, hs, nb, cols, 1.f / float(p.m)};
+      weighted_kernel<T><<<blocks_for(p.bh * nb, 1), kThreads, smem, stream>>>(a);
+      if (const char* err = launched()) return err;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+size_t yoso_weighted_cumulate_workspace_bytes(const YosoCumulateParams& p) { return plan(p, true).total(); }
+
+const char* yoso_lsh_weighted_cumulate(const YosoCumulateParams& p, cudaStream_t stream) {
+  if (const char* err = check_params(p)) return err;
+  if (p.bh == 0 || p.nq == 0 || p.dv == 0) return nullptr;
+  if (p.nk == 0 || p.dw == 0) {
+    return cudaMemsetAsync(p.out, 0, size_t(p.bh) * p.nq * p.dv * sizeof(float), stream) == cudaSuccess
+               ? nullptr
+               : launched();
+  }
+  switch (p.dtype) {
+    case YosoDtype::kFloat32: return weighted<float>(p, stream);
+    case YosoDtype::kFloat16: return weighted<__half>(p, stream);
+    case YosoDtype::kBFloat16: return weighted<__nv_bfloat16>(p, stream);
+  }
+  return "q_w, k_w and v must be float32, float16 or bfloat16";
+}
