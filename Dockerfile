@@ -1,0 +1,73 @@
+# syntax=docker/dockerfile:1
+# yoso-serve image. GPU (default): CUDA runtime base, the CUDA build of torch, kernels compiled
+# for sm_80/86/89/90 in a CUDA devel stage. CPU: the same steps on plain Ubuntu.
+#   docker build -t yoso-serve:gpu .                       docker run --gpus all -p 8080:8080 yoso-serve:gpu
+#   docker build -t yoso-serve:cpu --build-arg FLAVOR=cpu .  docker run -p 8080:8080 yoso-serve:cpu
+# The install logic lives in deploy/install.sh, which CI runs outside Docker.
+# torch 2.13's PyPI build is CUDA 13, so nvcc must be 13.x (needs NVIDIA driver >= 580).
+# Builder and runtime share one Ubuntu, so the venv's python3 has the same path in both. 24.04's
+# python3 is 3.12; 22.04's 3.10 is too old for transformers 5 (a dependency of the default model).
+ARG FLAVOR=gpu
+ARG CUDA_VERSION=13.0.0
+ARG UBUNTU_VERSION=24.04
+# Also set at run time: torch's loader compares the build flags and would otherwise try to rebuild.
+ARG TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0"
+
+FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS build-gpu
+FROM ubuntu:${UBUNTU_VERSION} AS build-cpu
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS runtime-gpu
+FROM ubuntu:${UBUNTU_VERSION} AS runtime-cpu
+
+# Everything the service reads is installed under /opt/yoso, the one folder the runtime copies.
+# hadolint ignore=DL3006
+FROM build-${FLAVOR} AS builder
+ARG FLAVOR
+ARG TORCH_INDEX_URL=auto
+ARG TORCH_CUDA_ARCH_LIST
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV DEBIAN_FRONTEND=noninteractive \
+    PATH=/opt/yoso/venv/bin:$PATH \
+    CUDA_HOME=/usr/local/cuda \
+    TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} \
+    TORCH_EXTENSIONS_DIR=/opt/yoso/torch_extensions \
+    YOSO_CACHE_DIR=/opt/yoso/cache \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# python3-dev and g++ compile the C++ extension; nvcc comes with the devel base.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/yoso/venv
+COPY . /src
+RUN --mount=type=cache,target=/root/.cache/pip \
+    TORCH_INDEX_URL="${TORCH_INDEX_URL}" bash /src/deploy/install.sh "--${FLAVOR}" --python /opt/yoso/venv/bin/python /src
+
+# hadolint ignore=DL3006
+FROM runtime-${FLAVOR} AS runtime
+ARG TORCH_CUDA_ARCH_LIST
+ENV DEBIAN_FRONTEND=noninteractive \
+    PATH=/opt/yoso/venv/bin:$PATH \
+    CUDA_HOME=/usr/local/cuda \
+    TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} \
+    TORCH_EXTENSIONS_DIR=/opt/yoso/torch_extensions \
+    YOSO_CACHE_DIR=/opt/yoso/cache \
+    YOSO_HOST=0.0.0.0 \
+    YOSO_PORT=8080 \
+    PYTHONUNBUFFERED=1 \
+    PYTHONSAFEPATH=1 \
+    HOME=/home/yoso \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+# libgomp1: the C++ extension's OpenMP runtime. No compiler here: the kernels were built above.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 libgomp1 \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --uid 10001 --user-group --create-home --home-dir /home/yoso --shell /usr/sbin/nologin yoso
+COPY --from=builder /opt/yoso /opt/yoso
+# torch's extension loader takes a lock file next to the build, so that folder is the user's.
+COPY --from=builder --chown=10001:10001 /opt/yoso/torch_extensions /opt/yoso/torch_extensions
+USER 10001:10001
+WORKDIR /home/yoso
+EXPOSE 8080
+HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('YOSO_PORT', '8080'), timeout=4)"]
+ENTRYPOINT ["yoso-serve"]
