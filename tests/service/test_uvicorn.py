@@ -66,8 +66,10 @@ def server():
 
 
 def curl_examples() -> list[str]:
-    """Every curl command in docs/api.md's bash blocks, continuation lines joined."""
-    text = (ROOT / "docs" / "api.md").read_text()
+    """Every curl command in the README's and docs/api.md's bash blocks, continuation lines joined.
+
+    The README's deployment examples name other hosts or images and are not replayed."""
+    text = (ROOT / "README.md").read_text().split("## Deploy on a GPU node")[0] + (ROOT / "docs" / "api.md").read_text()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
