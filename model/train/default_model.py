@@ -1,0 +1,178 @@
+"""The recipe of the bundled default model ``yoso-minilm-l6-4096`` (``make default-model``).
+
+Stages, each resumable and each writing under ``--work`` (default ``runs/default-model``)::
+
+    data      Python docs (python3.11-doc) → JSONL: passages, long documents, topic labels;
+              train / held-out split by page
+    distill   all-MiniLM-L6-v2 → YOSO student (4096 positions), LSH attention in training
+    eval      student and the plain converted model against the teacher on held-out text
+    finetune  topic classification (documentation area of a section): student and teacher
+    bundle    fp16 copy + MODEL_CARD.md into model/bundled/, only if the student beats the
+              plain converted model on held-out cosine at the served hash count
+
+``python -m yoso_serve.model.train.default_model all`` runs every stage in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from .pydocs import DEFAULT_HTML_ROOT, is_heldout, iter_pages, topic_of, write_jsonl
+
+NAME = "yoso-minilm-l6-4096"
+BUNDLE_DIR = Path(__file__).resolve().parents[1] / "bundled" / NAME
+PASSAGE_WORDS = 160  # ≈ 200–250 word pieces: under the teacher's 256-token training length
+LONG_TOKENS = (2048, 4000)  # held-out "long documents" (special tokens leave room under 4096)
+TOPIC_CAP = 60  # sections per topic in the classification training set: balanced, and CPU-sized
+MIN_TOPIC_HELDOUT = 8
+EVAL_TEXTS = 128  # held-out passages scored per hash count (every pair enters the Spearman)
+EVAL_LONG_DOCS = 8
+
+
+def passages(text_blocks: list[str], words: int = PASSAGE_WORDS) -> list[str]:
+    """Pack consecutive paragraphs into passages of at most ``words`` words (long ones are cut)."""
+    out, cur = [], []
+    for block in text_blocks:
+        toks = block.split()
+        while toks:
+            room = words - len(cur)
+            if room <= 0:
+                out.append(" ".join(cur))
+                cur, room = [], words
+            cur.extend(toks[:room])
+            toks = toks[room:]
+    if len(cur) >= 8:
+        out.append(" ".join(cur))
+    return out
+
+
+def long_documents(pages, tokenizer, lo: int, hi: int) -> list[dict]:
+    """Pages as consecutive sections whose token count lands in [lo, hi] (pages cut at a section edge)."""
+    docs = []
+    for rel, sections in pages:
+        text, n = "", 0
+        for sec in sections:
+            candidate = (text + "\n" + sec.text).strip()
+            m = len(tokenizer.encode([candidate])[0])
+            if m > hi:
+                break
+            text, n = candidate, m
+        if n >= lo:
+            docs.append({"text": text, "doc": rel, "tokens": n})
+    return docs
+
+
+def prepare_data(out: Path, html_root: Path, tokenizer) -> dict:
+    """Write the JSONL files of every later stage; returns (and saves) their row counts."""
+    split: dict[str, list] = {"train": [], "heldout": []}
+    for rel, sections in iter_pages(html_root):
+        split["heldout" if is_heldout(rel) else "train"].append((rel, sections))
+    counts = {}
+    for side, pages in split.items():
+        rows = [{"text": p, "doc": rel} for rel, secs in pages for p in passages([s.text for s in secs])]
+        counts[f"{side}_passages"] = write_jsonl(out / f"{side}_passages.jsonl", rows)
+        counts[f"{side}_long"] = write_jsonl(out / f"{side}_long.jsonl", long_documents(pages, tokenizer, *LONG_TOKENS))
+    topics = {side: [{"text": s.text, "label": topic_of(rel), "doc": rel} for rel, secs in pages for s in secs
+                     if len(s.text.split()) >= 20 and topic_of(rel) != "misc"] for side, pages in split.items()}
+    held = Counter(r["label"] for r in topics["heldout"])
+    keep = sorted(t for t, n in held.items() if n >= MIN_TOPIC_HELDOUT)
+    by_topic = defaultdict(list)
+    for row in topics["train"]:
+        if row["label"] in keep:
+            by_topic[row["label"]].append(row)
+    rng = random.Random(0)
+    train_rows = []
+    for label in keep:
+        rows = by_topic[label]
+        rng.shuffle(rows)
+        train_rows.extend(rows[:TOPIC_CAP])
+    rng.shuffle(train_rows)
+    counts["topics_train"] = write_jsonl(out / "topics_train.jsonl", train_rows)
+    counts["topics_heldout"] = write_jsonl(out / "topics_heldout.jsonl",
+                                           [r for r in topics["heldout"] if r["label"] in keep])
+    counts["topics"] = keep
+    counts["pages"] = {side: len(pages) for side, pages in split.items()}
+    (out / "counts.json").write_text(json.dumps(counts, indent=2) + "\n")
+    return counts
+
+
+def _cli(argv: list[str]) -> None:
+    from .cli import main
+
+    print("+ yoso-train " + " ".join(argv), file=sys.stderr, flush=True)
+    code = main(argv)
+    if code:
+        raise SystemExit(code)
+
+
+def distill_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> list[str]:
+    data = work / "data"
+    argv = ["distill", "--teacher", str(teacher), "--data", str(data / "train_passages.jsonl"),
+            "--out", str(work / "distill"), "--max-length", "256", "--train-hashes", "0,32",
+            "--serve-hashes", "32", "--epochs", "1", "--batch-size", "16", "--lr", "1e-4", "--warmup", "0.02",
+            "--save-every", "10", "--log-every", "2", "--seed", "0", "--save-fp16"]
+    if minutes:
+        argv += ["--max-minutes", str(minutes)]
+    return argv + (["--resume"] if resume else [])
+
+
+def eval_argv(work: Path, model: Path, teacher: Path, name: str) -> list[str]:
+    data = work / "data"
+    return ["eval", "--model", str(model), "--teacher", str(teacher), "--data", str(data / "heldout_passages.jsonl"),
+            "--long-data", str(data / "heldout_long.jsonl"), "--out", str(work / name), "--hashes", "0,8,16,32,64",
+            "--long-hashes", "32", "--max-texts", str(EVAL_TEXTS), "--max-long-docs", str(EVAL_LONG_DOCS),
+            "--seed", "0"]
+
+
+def finetune_argv(work: Path, model: Path, name: str) -> list[str]:
+    data = work / "data"
+    return ["finetune", "--model", str(model), "--data", str(data / "topics_train.jsonl"),
+            "--test-data", str(data / "topics_heldout.jsonl"), "--out", str(work / name), "--epochs", "2",
+            "--max-length", "128", "--batch-size", "16", "--lr", "1e-4", "--seed", "0"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="default_model", description=__doc__.splitlines()[0])
+    p.add_argument("stage", choices=("data", "distill", "eval", "eval-converted", "eval-student", "finetune",
+                                      "topics-teacher", "topics-student", "bundle", "all"))
+    p.add_argument("--work", type=Path, default=Path("runs/default-model"))
+    p.add_argument("--html-root", type=Path, default=DEFAULT_HTML_ROOT)
+    p.add_argument("--minutes", type=float, default=0.0, help="distillation time limit (0 = full schedule)")
+    args = p.parse_args(argv)
+    from yoso_serve.model import TextTokenizer
+    from yoso_serve.model.default import minilm_dir
+
+    teacher = minilm_dir()
+    work = args.work
+    runs = {
+        "eval-converted": lambda: _cli(eval_argv(work, work / "distill" / "init", teacher, "eval-converted")),
+        "eval-student": lambda: _cli(eval_argv(work, work / "distill" / "model", teacher, "eval-student")),
+        "topics-teacher": lambda: _cli(finetune_argv(work, teacher, "topics-teacher")),
+        "topics-student": lambda: _cli(finetune_argv(work, work / "distill" / "model", "topics-student")),
+    }
+    groups = {"eval": ["eval-converted", "eval-student"], "finetune": ["topics-teacher", "topics-student"]}
+    order = ["data", "distill", "eval", "finetune", "bundle"] if args.stage == "all" else [args.stage]
+    for stage in (s for group in order for s in groups.get(group, [group])):
+        if stage == "data":
+            print(json.dumps(prepare_data(work / "data", args.html_root, TextTokenizer.from_dir(teacher))))
+        elif stage == "distill":
+            resume = (work / "distill" / "checkpoints" / "last.pt").is_file()
+            _cli(distill_argv(work, teacher, args.minutes, resume))
+        elif stage == "bundle":
+            from .model_card import bundle
+
+            bundle(work, BUNDLE_DIR)
+        else:
+            shutil.rmtree(work / stage, ignore_errors=True)
+            runs[stage]()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

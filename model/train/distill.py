@@ -1,0 +1,167 @@
+"""``yoso-train distill``: a BERT-family teacher → a YOSO student initialised by conversion.
+
+The student trains with LSH attention at the hash count(s) it will be served with, each
+step drawing fresh hash projections, so that it learns to be right under sampling noise
+rather than under one particular draw. Losses: cosine and MSE between the pooled
+embeddings, MSE between the last hidden states of real tokens. Texts longer than the
+teacher's positions get their targets from the teacher run in overlapping windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from yoso_serve.model import EncoderModel, convert_bert_to_yoso, load_pretrained, save_pretrained
+from yoso_serve.model.encoder import YosoSelfAttention, layer_seed
+
+from .common import Session, add_common_arguments, maybe_checkpoint_layers, read_texts, start, train_options
+from .data import TokenizedDataset, pad_batch
+from .teacher import BertTeacher, pool
+from .trainer import Trainer
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--teacher", required=True, type=Path, help="BERT-family or sentence-transformers directory")
+    p.add_argument("--data", required=True, type=Path, nargs="+", help="text / JSONL / CSV files (text only is used)")
+    p.add_argument("--student", type=Path, help="start from this YOSO checkpoint instead of converting the teacher")
+    p.add_argument("--max-positions", type=int, default=4096, help="student positions when converting")
+    p.add_argument("--max-length", type=int, default=512, help="training texts are cut to this many tokens")
+    p.add_argument("--train-hashes", default="32",
+                   help="hash count(s) to train with, comma-separated; one is drawn per step (0 = exact)")
+    p.add_argument("--serve-hashes", type=int, default=32, help="num_hash written into the student's config")
+    p.add_argument("--fixed-hash-seed", action="store_true",
+                   help="train with the served hash projections only (default: a fresh draw each step)")
+    p.add_argument("--window", type=int, default=0, help="teacher window in tokens (0 = its max positions)")
+    p.add_argument("--stride", type=int, default=0, help="teacher window stride (0 = half a window)")
+    p.add_argument("--w-cos", type=float, default=1.0, help="weight of 1 - cos(pooled)")
+    p.add_argument("--w-mse", type=float, default=1.0, help="weight of MSE(pooled)")
+    p.add_argument("--w-hidden", type=float, default=1.0, help="weight of MSE(last hidden, real tokens)")
+    p.add_argument("--save-fp16", action="store_true", help="store model/ in fp16 (the bundled format)")
+    add_common_arguments(p, lr=5e-5, batch_size=16, epochs=1)
+
+
+def parse_hashes(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--train-hashes must be comma-separated ints, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise ValueError(f"--train-hashes must be ints >= 0, got {text!r}")
+    return values
+
+
+class DistillLoss(nn.Module):
+    """Student forward + the three distillation losses; holds only the student's encoder."""
+
+    def __init__(self, student: EncoderModel, weights: tuple[float, float, float]) -> None:
+        super().__init__()
+        self.student = student.encoder
+        self.pooling = student.config.pooling
+        self.w_cos, self.w_mse, self.w_hidden = weights
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = batch["attention_mask"]
+        hidden = self.student(batch["input_ids"], mask, hashes=int(batch["hashes"]))  # (B, N, D)
+        return distill_losses(hidden.float(), batch["t_hidden"], mask, self.pooling,
+                              (self.w_cos, self.w_mse, self.w_hidden))
+
+
+def distill_losses(hidden: torch.Tensor, t_hidden: torch.Tensor, mask: torch.Tensor, pooling: str,
+                   weights: tuple[float, float, float]) -> tuple[torch.Tensor, dict[str, float]]:
+    """hidden, t_hidden: (B, N, D) fp32; mask (B, N) → (weighted loss, its parts as floats)."""
+    s_pool, t_pool = pool(hidden, mask, pooling), pool(t_hidden, mask, pooling)
+    cos = 1.0 - F.cosine_similarity(s_pool, t_pool, dim=-1).mean()
+    mse = F.mse_loss(s_pool, t_pool)
+    real = mask.bool()
+    tok = F.mse_loss(hidden[real], t_hidden[real])
+    loss = weights[0] * cos + weights[1] * mse + weights[2] * tok
+    return loss, {"cos_loss": float(cos.detach()), "pooled_mse": float(mse.detach()), "hidden_mse": float(tok.detach())}
+
+
+@torch.no_grad()
+def teacher_targets(teacher: BertTeacher, input_ids: torch.Tensor, mask: torch.Tensor, *, cls_id: int,
+                    sep_id: int, window: int, stride: int) -> torch.Tensor:
+    """(B, N) right-padded ids → teacher hidden states (B, N, D); rows longer than the teacher
+    allows are encoded in overlapping windows, the rest in one batched forward."""
+    lengths = mask.sum(1).tolist()
+    limit = teacher.max_positions
+    short = [i for i, n in enumerate(lengths) if n <= limit]
+    out = torch.zeros(*input_ids.shape, teacher.config["hidden_size"], device=input_ids.device)
+    if short:
+        n = max(lengths[i] for i in short)
+        out[short, :n] = teacher(input_ids[short, :n], mask[short, :n])
+    for i, n in enumerate(lengths):
+        if n > limit:
+            out[i, :n] = teacher.windowed_hidden(input_ids[i, :n].tolist(), cls_id=cls_id, sep_id=sep_id,
+                                                 window=window or None, stride=stride or None)
+    return out * mask[..., None]
+
+
+def set_hash_seeds(module: nn.Module, base: int) -> None:
+    """Point every YOSO attention layer at the projections of hash seed ``base``."""
+    layers = [m for m in module.modules() if isinstance(m, YosoSelfAttention)]
+    for i, layer in enumerate(layers):
+        layer.seed = layer_seed(base, i)
+
+
+def init_student(args: argparse.Namespace, session: Session) -> Path:
+    """The student's starting directory: --student, or the teacher converted into the run dir."""
+    if args.student:
+        return args.student
+    init = session.run.path / "init"
+    if session.dist.is_main and not (init / "config.json").is_file():
+        convert_bert_to_yoso(args.teacher, init, max_positions=args.max_positions)
+    session.dist.barrier()
+    return init
+
+
+def run(args: argparse.Namespace) -> int:
+    session = start(args, "distill")
+    train_hashes = parse_hashes(args.train_hashes)
+    student = load_pretrained(init_student(args, session), device=session.device)
+    if student.tokenizer is None:
+        raise ValueError("the student checkpoint has no tokenizer files")
+    student.config.use_expectation = args.serve_hashes == 0
+    student.config.num_hash = args.serve_hashes or student.config.num_hash
+    teacher = BertTeacher.from_dir(args.teacher, device=session.device)
+    if teacher.config["vocab_size"] != student.config.vocab_size:
+        raise ValueError(f"teacher vocab_size {teacher.config['vocab_size']} != student {student.config.vocab_size}")
+    tok = student.tokenizer
+    cls_id, sep_id = tok.wrap([])
+    max_length = min(args.max_length, student.config.max_length)
+    _, ids = read_texts(session, args.data, tok, max_length=max_length, name="train")
+    maybe_checkpoint_layers(args, student.encoder, student.config.num_hidden_layers)
+    module = DistillLoss(student, (args.w_cos, args.w_mse, args.w_hidden))
+    trainer: Trainer
+
+    def prepare(batch: dict) -> dict:
+        batch = {k: v.to(session.device) for k, v in batch.items()}
+        rng = random.Random(args.seed * 1_000_003 + trainer.step * 997 + trainer.batch_in_epoch)
+        batch["hashes"] = rng.choice(train_hashes)
+        if not args.fixed_hash_seed:
+            set_hash_seeds(student, rng.randrange(1, 1 << 30))
+        batch["t_hidden"] = teacher_targets(teacher, batch["input_ids"], batch["attention_mask"], cls_id=cls_id,
+                                            sep_id=sep_id, window=args.window, stride=args.stride)
+        return batch
+
+    def export() -> None:
+        if session.dist.is_main:
+            set_hash_seeds(student, student.config.hash_seed)
+            save_pretrained(student, session.run.path / "model", dtype=torch.float16 if args.save_fp16 else None)
+
+    trainer = Trainer(module, TokenizedDataset(ids), lambda items: pad_batch(items, tok.pad_id), prepare,
+                      options=train_options(args), run=session.run, dist_=session.dist, device=session.device)
+    trainer.on_save = export
+    if args.resume:
+        trainer.resume()
+    session.say(f"distill: {len(ids)} texts, {trainer.total_steps} steps, hashes {train_hashes}, "
+                f"world size {session.dist.world_size}")
+    stop = trainer.fit()
+    session.say(f"distill: stopped ({stop}) at step {trainer.step}; model in {session.run.path / 'model'}")
+    return 0

@@ -1,0 +1,180 @@
+"""``yoso-train eval``: agreement with a teacher, classification metrics and speed.
+
+* ``--data``: texts cut to ``--max-length`` tokens (256 by default, the teacher's own limit):
+  mean cosine of student and teacher embeddings at every ``--hashes`` count, and the
+  Spearman correlation of all pairwise similarities (student pairs vs teacher pairs).
+* ``--long-data``: long documents: the student's embedding of the whole text against the
+  teacher's windowed embedding (mean of its windowed token states), and seconds per
+  document of each.
+* ``--labelled``: accuracy and F1 of the model's classification head.
+
+Results go to ``results.json`` and ``metrics.jsonl`` in ``--out`` and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from yoso_serve.model import EncoderModel, load_pretrained
+
+from .common import read_texts, start
+from .data import label_targets, pad_batch
+from .distill import parse_hashes
+from .metrics import multi_label_metrics, pairwise_upper, single_label_metrics, spearman
+from .teacher import BertTeacher, pool
+
+Embed = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, type=Path, help="YOSO checkpoint directory")
+    p.add_argument("--teacher", type=Path, help="BERT-family / sentence-transformers directory to compare with")
+    p.add_argument("--data", type=Path, nargs="*", default=[], help="texts for embedding agreement")
+    p.add_argument("--long-data", type=Path, nargs="*", default=[], help="long documents for windowed agreement")
+    p.add_argument("--labelled", type=Path, nargs="*", default=[], help="JSONL/CSV with labels for the classifier")
+    p.add_argument("--hashes", default="0,8,16,32,64", help="hash counts to evaluate (0 = exact)")
+    p.add_argument("--long-hashes", default="32", help="hash counts for --long-data")
+    p.add_argument("--max-length", type=int, default=256)
+    p.add_argument("--max-texts", type=int, default=0, help="score at most this many --data / --labelled texts")
+    p.add_argument("--max-long-docs", type=int, default=0, help="score at most this many --long-data documents")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--out", required=True, type=Path, help="run directory for results.json and metrics.jsonl")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+
+
+@torch.no_grad()
+def embed_all(embed: Embed, ids: list[torch.Tensor], *, pad_id: int, batch_size: int,
+              device: torch.device, desc: str | None = None) -> tuple[torch.Tensor, float]:
+    """Embed every sequence (batched by length, returned in input order) → ((n, D) fp32, seconds).
+
+    ``desc`` shows a progress bar (texts/s) under that name."""
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out: list[torch.Tensor | None] = [None] * len(ids)
+    start_t = time.perf_counter()
+    bar = tqdm(total=len(ids), desc=desc, unit="text", disable=desc is None, dynamic_ncols=True)
+    for s in range(0, len(order), batch_size):
+        chunk = order[s:s + batch_size]
+        batch = pad_batch([{"input_ids": ids[i]} for i in chunk], pad_id)
+        vecs = embed(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float().cpu()
+        for i, v in zip(chunk, vecs):
+            out[i] = v
+        bar.update(len(chunk))
+    bar.close()
+    return torch.stack(out), time.perf_counter() - start_t
+
+
+def agreement(student: EncoderModel, teacher: BertTeacher, ids: list[torch.Tensor], hashes: list[int], *,
+              batch_size: int, device: torch.device) -> list[dict]:
+    """Per hash count: mean/min cosine to the teacher, Spearman of pairwise similarities, texts/s."""
+    pad = student.tokenizer.pad_id
+    t_emb, t_sec = embed_all(teacher.embed, ids, pad_id=pad, batch_size=batch_size, device=device, desc="teacher")
+    t_pairs = pairwise_upper(t_emb)
+    rows = []
+    for h in hashes:
+        s_emb, s_sec = embed_all(lambda i, m: student.embed(i, m, hashes=h), ids, pad_id=pad,
+                                 batch_size=batch_size, device=device, desc=f"student, hashes={h}")
+        cos = F.cosine_similarity(s_emb, t_emb, dim=-1)
+        rows.append({"hashes": h, "texts": len(ids), "mean_cos": cos.mean().item(), "min_cos": cos.min().item(),
+                     "spearman": spearman(pairwise_upper(s_emb), t_pairs),
+                     "texts_per_s": len(ids) / s_sec, "teacher_texts_per_s": len(ids) / t_sec})
+    return rows
+
+
+@torch.no_grad()
+def long_agreement(student: EncoderModel, teacher: BertTeacher, ids: list[torch.Tensor], hashes: list[int],
+                   *, device: torch.device) -> list[dict]:
+    """Per hash count: cosine of the student's whole-document embedding to the teacher's windowed one."""
+    cls_id, sep_id = student.tokenizer.wrap([])
+    targets, t_secs = [], []
+    for seq in tqdm(ids, desc="teacher windows", unit="doc", dynamic_ncols=True):
+        t0 = time.perf_counter()
+        hidden = teacher.windowed_hidden(seq.tolist(), cls_id=cls_id, sep_id=sep_id)
+        targets.append(pool(hidden[None], torch.ones(1, len(seq), device=device), teacher.pooling)[0].cpu())
+        t_secs.append(time.perf_counter() - t0)
+    rows = []
+    for h in hashes:
+        cos, secs = [], []
+        for seq, target in tqdm(list(zip(ids, targets)), desc=f"long docs, hashes={h}", unit="doc",
+                                dynamic_ncols=True):
+            x = seq[None].long().to(device)
+            t0 = time.perf_counter()
+            emb = student.embed(x, torch.ones_like(x), hashes=h)[0].float().cpu()
+            secs.append(time.perf_counter() - t0)
+            cos.append(F.cosine_similarity(emb, target, dim=0).item())
+        rows.append({"hashes": h, "docs": len(ids), "mean_tokens": sum(len(s) for s in ids) / len(ids),
+                     "mean_cos": sum(cos) / len(cos), "min_cos": min(cos), "s_per_doc": sum(secs) / len(secs),
+                     "teacher_windowed_s_per_doc": sum(t_secs) / len(t_secs)})
+    return rows
+
+
+@torch.no_grad()
+def classification(model: EncoderModel, examples, ids: list[torch.Tensor], *, batch_size: int,
+                   device: torch.device, hashes: int | None = None) -> dict[str, float]:
+    """Accuracy / F1 of ``model.classify`` on labelled examples (labels must be in model.id2label)."""
+    label2id = {v: k for k, v in model.id2label.items()}
+    multi = model.config.problem_type == "multi_label_classification"
+    keep = [i for i, ex in enumerate(examples) if all(x in label2id for x in ex.labels)]
+    if not keep:
+        raise ValueError(f"none of the labelled examples uses the model's labels {sorted(label2id)}")
+    targets = label_targets([examples[i] for i in keep], label2id, multi_label=multi)
+    logits, _ = embed_all(lambda i, m: model.classify(i, m, hashes=hashes), [ids[i] for i in keep],
+                          pad_id=model.tokenizer.pad_id, batch_size=batch_size, device=device, desc="classify")
+    metrics = multi_label_metrics(logits, targets) if multi else single_label_metrics(logits, targets, len(label2id))
+    return {**metrics, "examples": len(keep), "unknown_label_rows": len(examples) - len(keep)}
+
+
+def markdown(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        lines.append("| " + " | ".join(f"{r[k]:.4f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    session = start(args, "eval")
+    if not session.dist.is_main:
+        return 0
+    model = load_pretrained(args.model, device=session.device)
+    if model.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer files")
+    teacher = BertTeacher.from_dir(args.teacher, device=session.device) if args.teacher else None
+    if (args.data or args.long_data) and teacher is None:
+        raise ValueError("--data and --long-data measure agreement with a teacher: pass --teacher")
+    results: dict = {"model": str(args.model), "teacher": str(args.teacher) if args.teacher else None}
+    cap = args.max_texts or None
+    if args.data:
+        _, ids = read_texts(session, args.data, model.tokenizer, max_length=args.max_length, name="data")
+        results["agreement"] = agreement(model, teacher, ids[:cap], parse_hashes(args.hashes),
+                                         batch_size=args.batch_size, device=session.device)
+    if args.long_data:
+        _, ids = read_texts(session, args.long_data, model.tokenizer, max_length=model.config.max_length,
+                            name="long_data")
+        results["long_agreement"] = long_agreement(model, teacher, ids[:args.max_long_docs or None],
+                                                   parse_hashes(args.long_hashes),
+                                                   device=session.device)
+    if args.labelled:
+        examples, ids = read_texts(session, args.labelled, model.tokenizer, max_length=args.max_length,
+                                   name="labelled", need_labels=True)
+        results["classification"] = classification(model, examples[:cap], ids[:cap], batch_size=args.batch_size,
+                                                   device=session.device)
+    for key in ("agreement", "long_agreement"):
+        for row in results.get(key, []):
+            session.run.log(key, **row)
+    if "classification" in results:
+        session.run.log("classification", **results["classification"])
+    session.run.write_json("results.json", results)
+    for key in ("agreement", "long_agreement"):
+        if results.get(key):
+            print(f"\n### {key}\n\n{markdown(results[key])}")
+    if "classification" in results:
+        print(f"\n### classification\n\n{markdown([results['classification']])}")
+    return 0

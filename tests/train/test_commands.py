@@ -1,0 +1,202 @@
+"""The four commands end to end on tiny real models: run directories, metrics, resume, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from yoso_serve.model import load_pretrained, save_pretrained
+from yoso_serve.model.train.cli import main
+from yoso_serve.model.train.data import split_train_val
+from yoso_serve.model.train.mlm import mask_tokens
+from yoso_serve.model.train.runtime import autocast_dtype
+from yoso_serve.model.train.teacher import BertTeacher
+
+CPU = ["--device", "cpu", "--seed", "0"]
+
+
+def events(run: Path, kind: str | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if kind is None or r["event"] == kind]
+
+
+@pytest.fixture
+def mixed_texts(tmp_path, sentences, write_jsonl) -> Path:
+    """Short sentences plus a few texts longer than the tiny teacher's 64 positions."""
+    rows = [{"text": t} for t in sentences(24, seed=2)]
+    rows += [{"text": t} for t in sentences(4, seed=3, lo=80, hi=100)]
+    rows.append("{broken")
+    return write_jsonl(tmp_path / "texts.jsonl", rows)
+
+
+def test_finetune_learns_a_separable_task_and_best_dir_serves(tiny_yoso, topic_data, tmp_path):
+    out = tmp_path / "ft"
+    assert main(["finetune", "--model", str(tiny_yoso), "--data", str(topic_data), "--out", str(out),
+                 "--epochs", "4", "--batch-size", "8", "--lr", "3e-3", "--val-fraction", "0.25", *CPU]) == 0
+    epochs = events(out, "epoch")
+    assert [e["epoch"] for e in epochs] == [0, 1, 2, 3]
+    assert all({"val_accuracy", "val_f1", "val_loss"} <= set(e) for e in epochs)
+    best = max(epochs, key=lambda e: e["val_f1"])
+    assert best["val_accuracy"] >= 0.9
+    config = json.loads((out / "config.json").read_text())
+    assert config["command"] == "finetune" and config["world_size"] == 1
+    # best/ is a servable HF directory whose own predictions reproduce the logged validation score
+    model = load_pretrained(out / "best")
+    assert model.id2label == {0: "code", 1: "greek"} and model.config.problem_type == "single_label_classification"
+    rows = [json.loads(line) for line in topic_data.read_text().splitlines()]
+    _, val = split_train_val(len(rows), 0.25, seed=0)
+    ids = model.tokenizer.encode([rows[i]["text"] for i in val], max_length=512)
+    correct = 0
+    for i, seq in zip(val, ids):
+        logits = model.classify(torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long))
+        correct += model.id2label[int(logits.argmax())] == rows[i]["label"]
+    assert correct / len(val) == pytest.approx(best["val_accuracy"])
+    assert json.loads((out / "results.json").read_text())["best"]["epoch"] == best["epoch"]
+
+
+def test_finetune_multi_label(tiny_yoso, tmp_path, sentences, write_jsonl):
+    rows = [{"text": t, "labels": (["x", "y"] if i % 3 == 0 else ["x"])} for i, t in enumerate(sentences(24))]
+    data = write_jsonl(tmp_path / "ml.jsonl", rows)
+    out = tmp_path / "ml"
+    assert main(["finetune", "--model", str(tiny_yoso), "--data", str(data), "--out", str(out),
+                 "--epochs", "1", "--batch-size", "8", *CPU]) == 0
+    model = load_pretrained(out / "model")
+    assert model.config.problem_type == "multi_label_classification"
+    assert sorted(model.id2label.values()) == ["x", "y"]
+
+
+def test_distill_improves_agreement_and_uses_teacher_windows(tiny_bert, tiny_yoso, mixed_texts, tmp_path, sentences):
+    # a converted tiny random model already sits close to its teacher; noise gives distillation work to do
+    student = load_pretrained(tiny_yoso)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in student.named_parameters():
+            if name.endswith("weight") and p.ndim == 2 and "embeddings" not in name:
+                p.add_(0.1 * torch.randn_like(p))
+    save_pretrained(student, tmp_path / "noisy")
+    out = tmp_path / "distill"
+    assert main(["distill", "--teacher", str(tiny_bert), "--data", str(mixed_texts), "--student", str(tmp_path / "noisy"),
+                 "--out", str(out), "--max-length", "128", "--train-hashes", "0,8", "--epochs", "2",
+                 "--batch-size", "4", "--lr", "2e-3", "--warmup", "0", "--log-every", "1", *CPU]) == 0
+    report = json.loads((out / "data_report.json").read_text())["train"]
+    assert report["kept"] == 28 and report["reasons"] == {"invalid JSON": 1}
+    teacher = BertTeacher.from_dir(tiny_bert)
+    texts = sentences(16, seed=9)
+
+    def hidden_mse(model_dir: Path) -> float:
+        model = load_pretrained(model_dir)
+        errors = []
+        for seq in model.tokenizer.encode(texts):
+            x = torch.tensor([seq])
+            errors.append(F.mse_loss(model.last_hidden(x, hashes=0), teacher(x)).item())
+        return sum(errors) / len(errors)
+
+    # unseen texts: the student moved towards the teacher, not just onto its training rows
+    assert hidden_mse(out / "model") < 0.7 * hidden_mse(tmp_path / "noisy")
+    train = events(out, "train")
+    assert {"cos_loss", "pooled_mse", "hidden_mse", "tokens_per_s", "lr"} <= set(train[0])
+    assert events(out, "stop")[0]["reason"] == "done"
+    saved = load_pretrained(out / "model")
+    assert saved.config.num_hash == 32 and not saved.config.use_expectation
+
+
+def test_resume_reproduces_an_uninterrupted_run(tiny_bert, tiny_yoso, mixed_texts, tmp_path):
+    common = ["distill", "--teacher", str(tiny_bert), "--data", str(mixed_texts), "--student", str(tiny_yoso),
+              "--max-length", "96", "--train-hashes", "0,8", "--batch-size", "4", "--grad-accum", "2",
+              "--schedule", "constant", "--warmup", "0", "--lr", "1e-3", "--save-every", "100", *CPU]
+    assert main([*common, "--out", str(tmp_path / "a"), "--max-steps", "6"]) == 0
+    assert main([*common, "--out", str(tmp_path / "b"), "--max-steps", "3"]) == 0  # stops mid-epoch
+    assert main([*common, "--out", str(tmp_path / "b"), "--max-steps", "6", "--resume"]) == 0
+    a = torch.load(tmp_path / "a" / "checkpoints" / "last.pt", weights_only=False)
+    b = torch.load(tmp_path / "b" / "checkpoints" / "last.pt", weights_only=False)
+    assert (a["step"], a["epoch"], a["batch_in_epoch"]) == (b["step"], b["epoch"], b["batch_in_epoch"]) == (6, 1, 4)
+    for key, value in a["model"].items():
+        torch.testing.assert_close(b["model"][key], value, rtol=0, atol=0, msg=key)
+    assert events(tmp_path / "b", "resume")[0]["step"] == 3
+
+
+def test_mlm_continued_pretraining_lowers_validation_loss(tiny_yoso, tmp_path, sentences, write_jsonl):
+    data = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in sentences(16, seed=4)])
+    out = tmp_path / "mlm"
+    assert main(["mlm", "--model", str(tiny_yoso), "--data", str(data), "--val-data", str(data), "--out", str(out),
+                 "--epochs", "3", "--batch-size", "4", "--lr", "3e-3", "--mask-prob", "0.3", *CPU]) == 0
+    val = [e["val_loss"] for e in events(out, "epoch")]
+    assert len(val) == 3 and val[-1] < val[0]
+    assert load_pretrained(out / "model").has_mlm_head
+
+
+def test_mask_tokens_follows_bert_rule():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 1000, (64, 256), generator=g)
+    ids[:, 0], ids[:, -1] = 2, 3
+    mask = torch.ones_like(ids)
+    mask[:, 200:] = 0
+    out, labels = mask_tokens(ids, mask, special_ids=[0, 2, 3, 4], mask_id=4, vocab_size=1000, prob=0.15, generator=g)
+    chosen = labels != -100
+    assert not chosen[:, 0].any() and not chosen[:, 200:].any()  # specials and padding never chosen
+    assert torch.equal(labels[chosen], ids[chosen]) and torch.equal(out[~chosen], ids[~chosen])
+    rate = chosen[:, 1:200].float().mean().item()
+    assert 0.13 < rate < 0.17
+    masked = (out[chosen] == 4).float().mean().item()
+    kept = (out[chosen] == ids[chosen]).float().mean().item()
+    assert 0.77 < masked < 0.83 and 0.08 < kept < 0.13
+
+
+def test_eval_reports_agreement_long_documents_and_classification(tiny_bert, tiny_yoso, mixed_texts, topic_data,
+                                                                  tmp_path, sentences, write_jsonl):
+    ft = tmp_path / "ft"
+    assert main(["finetune", "--model", str(tiny_yoso), "--data", str(topic_data), "--out", str(ft),
+                 "--epochs", "1", "--batch-size", "8", *CPU]) == 0
+    long_docs = write_jsonl(tmp_path / "long.jsonl", [{"text": t} for t in sentences(2, seed=5, lo=150, hi=160)])
+    out = tmp_path / "eval"
+    assert main(["eval", "--model", str(ft / "model"), "--teacher", str(tiny_bert), "--data", str(mixed_texts),
+                 "--long-data", str(long_docs), "--labelled", str(topic_data), "--hashes", "0,8",
+                 "--long-hashes", "0", "--max-length", "64", "--out", str(out), *CPU]) == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["hashes"]: r for r in results["agreement"]}
+    assert set(rows) == {0, 8} and rows[0]["texts"] == 28
+    # the exact-mode number is the plain mean cosine, computed here independently
+    model, teacher = load_pretrained(ft / "model"), BertTeacher.from_dir(tiny_bert)
+    texts = [json.loads(line)["text"] for line in mixed_texts.read_text().splitlines()[:-1]]
+    cos = [F.cosine_similarity(model.embed(x, hashes=0), teacher.embed(x, torch.ones_like(x))).item()
+           for x in (torch.tensor([s]) for s in model.tokenizer.encode(texts, max_length=64))]
+    assert rows[0]["mean_cos"] == pytest.approx(sum(cos) / len(cos), abs=1e-5)
+    assert -1.0 <= rows[8]["spearman"] <= 1.0 and rows[8]["mean_cos"] != rows[0]["mean_cos"]
+    long = results["long_agreement"][0]
+    assert long["docs"] == 2 and long["mean_tokens"] > 64 and long["teacher_windowed_s_per_doc"] > 0
+    assert results["classification"]["examples"] == 48
+    assert len(events(out, "agreement")) == 2
+
+
+def test_errors_are_one_line_and_exit_2(tiny_yoso, topic_data, tmp_path, capsys):
+    base = ["finetune", "--model", str(tiny_yoso), "--epochs", "1", *CPU]
+    assert main([*base, "--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")]) == 2
+    assert "data file not found" in capsys.readouterr().err
+    assert main([*base, "--data", str(topic_data), "--out", str(tmp_path / "y"), "--resume"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        autocast_dtype("bf16", torch.device("cpu"))
+    assert autocast_dtype("auto", torch.device("cpu")) is None
+
+
+def test_every_command_parses_the_shared_options(capsys):
+    from yoso_serve.model.train.cli import build_parser
+
+    parser = build_parser()
+    for command, required in (("finetune", ["--model", "m", "--data", "d"]), ("distill", ["--teacher", "t", "--data", "d"]),
+                              ("mlm", ["--model", "m", "--data", "d"])):
+        args = parser.parse_args([command, *required, "--out", "o", "--resume", "--grad-accum", "4",
+                                  "--precision", "bf16", "--gradient-checkpointing", "--device", "cuda:1"])
+        assert (args.resume, args.grad_accum, args.precision, args.gradient_checkpointing, args.device) == \
+            (True, 4, "bf16", True, "cuda:1")
+    assert parser.parse_args(["eval", "--model", "m", "--out", "o"]).hashes == "0,8,16,32,64"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["mlm", "--data", "d", "--out", "o"])  # --model or --config is required
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["distill", "--help"])
+    assert "--max-minutes" in capsys.readouterr().out

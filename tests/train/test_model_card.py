@@ -1,0 +1,58 @@
+"""The default-model recipe: passages, the model card's numbers and the bundling rule."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from yoso_serve.model import load_pretrained
+from yoso_serve.model.train.default_model import passages
+from yoso_serve.model.train.model_card import bundle
+
+
+def test_passages_pack_paragraphs_up_to_the_word_limit():
+    blocks = ["one two three", "four five", "six " * 17 + "end", "x"]
+    out = passages(blocks, words=10)
+    # paragraphs run on into the next passage; the 4-word tail ("six six end x") is dropped
+    assert out == ["one two three four five six six six six six", " ".join(["six"] * 10)]
+    assert passages(["tiny"], words=5) == []  # a tail of fewer than 8 words is not a passage
+
+
+def _work(tmp_path: Path, model: Path, student_cos: float, converted_cos: float) -> Path:
+    work = tmp_path / "work"
+    shutil.copytree(model, work / "distill" / "model")
+    (work / "distill" / "config.json").write_text(json.dumps(
+        {"seed": 0, "train_hashes": "0,32", "batch_size": 16, "grad_accum": 1, "max_minutes": 30.0,
+         "teacher": "/teacher"}))
+    # two sessions: 20 min, stopped by a time limit, then 10.5 min after --resume
+    events = [{"event": "start", "time": 1000.0, "step": 0}, {"event": "stop", "time": 2200.0, "step": 25},
+              {"event": "resume", "time": 5000.0, "step": 25}, {"event": "start", "time": 5000.0, "step": 25},
+              {"event": "stop", "time": 5630.0, "step": 40}]
+    (work / "distill" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (work / "data").mkdir()
+    (work / "data" / "counts.json").write_text(json.dumps(
+        {"pages": {"train": 9, "heldout": 1}, "train_passages": 90, "heldout_passages": 10, "heldout_long": 2,
+         "topics": ["a", "b"], "topics_train": 20}))
+    for name, cos in (("eval-student", student_cos), ("eval-converted", converted_cos)):
+        (work / name).mkdir()
+        rows = [{"hashes": h, "texts": 10, "mean_cos": cos - h / 1000, "spearman": 0.9, "texts_per_s": 5.0,
+                 "teacher_texts_per_s": 9.0} for h in (0, 32)]
+        (work / name / "results.json").write_text(json.dumps({"agreement": rows, "long_agreement": []}))
+    return work
+
+
+def test_bundle_ships_only_a_student_that_beats_the_conversion(tiny_yoso, tmp_path):
+    target = tmp_path / "bundled" / "yoso-test"
+    losing = _work(tmp_path / "lose", tiny_yoso, student_cos=0.80, converted_cos=0.85)
+    assert not bundle(losing, target)
+    assert not target.exists()
+    card = (losing / "MODEL_CARD.md").read_text()
+    assert "| 32 | 0.7680 | 0.8180 |" in card and "Student beats the plain converted model at 32 hashes: no" in card
+    assert "Targets met: cos_exact no, cos_32 no, spearman no" in card
+    assert "Trained 40 optimizer steps" in card and "30.5 minutes of wall-clock time over 2 session(s)" in card
+
+    winning = _work(tmp_path / "win", tiny_yoso, student_cos=0.95, converted_cos=0.85)
+    assert bundle(winning, target)
+    assert (target / "MODEL_CARD.md").read_text() == (winning / "MODEL_CARD.md").read_text()
+    assert load_pretrained(target).config.hidden_size == 32
