@@ -2,7 +2,8 @@
 
 The fields are transformers' ``YosoConfig`` (so a directory we write loads in
 ``transformers.YosoModel``) plus ours: the hash seed, the pooling of :meth:`embed`, the
-attention backend and the attention type. Unknown keys in a ``config.json`` (for example
+attention backend, the attention type with its per-type settings (model/attention/) and the
+reversible-layer training option (model/reversible.py). Unknown keys in a ``config.json`` (for example
 ``transformers_version`` or ``dtype``) are ignored on load.
 """
 
@@ -16,7 +17,8 @@ from typing import Any
 
 POOLINGS = ("mean", "cls")
 ATTENTION_BACKENDS = ("auto", "torch", "cpp", "cuda")
-ATTENTION_TYPES = ("yoso",)
+ATTENTION_TYPES = ("yoso", "softmax", "linformer", "reformer", "linear", "sparse", "nystrom")
+SPARSE_PATTERNS = ("strided", "fixed")
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu", "silu", "swish", "tanh")
 
 # Sequences longer than this run the feed-forward block in chunks of FFN_CHUNK_SIZE positions
@@ -62,6 +64,24 @@ class EncoderConfig:
     attention_type: str = "yoso"
     # 0 = automatic (see FFN_CHUNK_THRESHOLD); n > 0 = always chunk by n positions.
     chunk_size_feed_forward: int = 0
+    # Per-type settings, read only by their attention_type. Defaults follow the papers' own
+    # choices for BERT-size models: Linformer k = 256 (on par with softmax at n = 512–1024),
+    # E and F per layer unless shared; Reformer chunks of 64 (b = 2N/64 buckets, the paper's
+    # 2·l/n_buckets chunking) and 4 hash rounds (the paper: 8 match full attention, 2 train
+    # well); Sparse Transformer stride l = 128 (≈ √N at N = 16384; fixed pattern: l // 8
+    # summary positions per block); Nyströmformer 64 landmarks, no convolution (a kernel size
+    # here adds the paper's depthwise conv over V; it must be trained).
+    linformer_k: int = 256
+    linformer_shared_kv: bool = False
+    reformer_bucket_size: int = 64
+    reformer_n_hashes: int = 4
+    sparse_pattern: str = "strided"
+    sparse_stride: int = 128
+    nystrom_landmarks: int = 64
+    nystrom_conv: int | None = None
+    # Reformer's reversible residual layers (a training option that trades recomputation for
+    # activation memory); it changes the block's math to pre-LN, see model/reversible.py.
+    reversible: bool = False
 
     def __post_init__(self) -> None:
         if self.id2label is not None:
@@ -92,15 +112,36 @@ class EncoderConfig:
         if self.chunk_size_feed_forward < 0:
             raise ValueError(f"chunk_size_feed_forward must be >= 0, got {self.chunk_size_feed_forward}")
         checks = (("pooling", POOLINGS), ("attention_backend", ATTENTION_BACKENDS),
-                  ("attention_type", ATTENTION_TYPES), ("hidden_act", ACTIVATIONS))
+                  ("attention_type", ATTENTION_TYPES), ("hidden_act", ACTIVATIONS),
+                  ("sparse_pattern", SPARSE_PATTERNS))
         for name, allowed in checks:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        self._validate_attention_settings()
+
+    def _validate_attention_settings(self) -> None:
+        for name in ("linformer_k", "reformer_bucket_size", "reformer_n_hashes", "sparse_stride",
+                     "nystrom_landmarks"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.nystrom_conv is not None and (self.nystrom_conv < 1 or self.nystrom_conv % 2 == 0):
+            raise ValueError(f"nystrom_conv must be an odd positive int or None, got {self.nystrom_conv}")
+        if self.conv_window is not None and self.attention_type != "yoso":
+            raise ValueError(f"conv_window (YOSO-C) only applies to attention_type=yoso, not "
+                             f"{self.attention_type!r} (nystrom has nystrom_conv)")
+        # E and F have one column per position: max_position_embeddings is the longest input, and a
+        # projection to more rows than positions compresses nothing.
+        if self.attention_type == "linformer" and self.linformer_k > self.max_position_embeddings:
+            raise ValueError(f"linformer_k ({self.linformer_k}) must be <= max_position_embeddings "
+                             f"({self.max_position_embeddings}), the fixed input length of the projections")
 
     @property
     def default_hashes(self) -> int:
-        """Hashes used when a call does not say: 0 (exact YOSO-E) if use_expectation else num_hash."""
-        return 0 if self.use_expectation else self.num_hash
+        """Hashes used when a call does not say: 0 (exact YOSO-E) if use_expectation else num_hash.
+
+        Always 0 for attention types other than yoso: they have no hash count (0 = "none").
+        """
+        return 0 if self.use_expectation or self.attention_type != "yoso" else self.num_hash
 
     @property
     def max_length(self) -> int:

@@ -46,10 +46,12 @@ def bundled_model_dir() -> Path | None:
 
 
 def default_model_dir() -> Path:
-    """The default model's checkpoint directory, converting MiniLM into the cache on first use."""
-    bundled = bundled_model_dir()
-    if bundled is not None:
-        return bundled
+    """The default model's checkpoint directory: the bundled one, else :func:`converted_minilm_dir`."""
+    return bundled_model_dir() or converted_minilm_dir()
+
+
+def converted_minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 converted to YOSO with ``DEFAULT_SETTINGS``, once, into the cache."""
     target = cache_root() / CACHE_NAME
     if (target / "config.json").is_file():
         return target

@@ -1,4 +1,4 @@
-"""The YOSO encoder: embeddings and post-LayerNorm BERT blocks whose attention is YOSO.
+"""The YOSO encoder: embeddings and post-LayerNorm BERT blocks whose attention is YOSO (or another core).
 
 Module and parameter names follow transformers' ``YosoModel`` so that state dicts match
 key for key (``embeddings.word_embeddings.weight``, ``encoder.layer.3.attention.self.query.weight``,
@@ -7,6 +7,14 @@ transformers' code: padding is really masked (a key-padding mask reaches the att
 padded queries give zero rows), so a text's output is the same alone or padded inside a
 batch; and the hash projections are seeded per (config.hash_seed, layer), so outputs are
 deterministic for a given hash count, which is chosen per call.
+
+The attention between the Q/K/V linears and the output projection is a core picked from
+``config.attention_type`` through the registry in :mod:`.attention` (YOSO by default; softmax,
+Linformer, Reformer, linear, sparse, Nyström otherwise). ``hashes`` belongs to YOSO alone: a
+model of another type accepts ``hashes=None`` or ``0`` (its default_hashes, "no hashing") and
+raises ValueError for any other count, rather than silently ignoring a request for a
+cost/accuracy trade-off it does not have. ``config.reversible`` runs the stack as Reformer's
+reversible layers (:mod:`.reversible`).
 """
 
 from __future__ import annotations
@@ -17,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from yoso_serve.kernels import yoso_attention
-
+from .attention import build_attention
 from .config import EncoderConfig
+from .reversible import ReversibleBlock, reversible_stack
 
 # Position ids start here, as in transformers' YOSO (rows 0 and 1 of the table are unused).
 POSITION_OFFSET = 2
@@ -75,23 +83,33 @@ class YosoEmbeddings(nn.Module):
 
 
 class YosoSelfAttention(nn.Module):
-    """Q/K/V projections, YOSO attention, per-head ℓ2 normalisation (N-YOSO), optional YOSO-C conv."""
+    """Q/K/V projections, the attention core (YOSO: with N-YOSO's norm), optional YOSO-C conv."""
 
     def __init__(self, config: EncoderConfig, layer_index: int):
         super().__init__()
         self.config = config
         self.heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.seed = layer_seed(config.hash_seed, layer_index)
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        # parameter-free for yoso, so the state-dict keys stay transformers'
+        self.core = build_attention(config, layer_seed(config.hash_seed, layer_index))
         if config.conv_window is not None:
             # Depthwise along the sequence, one (window × 1) kernel per head (transformers' shape and key).
             self.conv = nn.Conv2d(self.heads, self.heads, kernel_size=(config.conv_window, 1),
                                   padding=(config.conv_window // 2, 0), bias=False, groups=self.heads)
         else:
             self.conv = None
+
+    @property
+    def seed(self) -> int:
+        """The layer's hash seed; setting it re-points YOSO's hashing (the distiller resamples per step)."""
+        return self.core.seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        self.core.seed = int(value)
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
@@ -102,12 +120,10 @@ class YosoSelfAttention(nn.Module):
         q = self.split_heads(self.query(hidden))
         k = self.split_heads(self.key(hidden))
         v = self.split_heads(self.value(hidden))
-        context = yoso_attention(
-            q, k, v, mask, num_hashes=hashes, hash_bits=self.config.hash_code_len, seed=self.seed,
-            exact=hashes == 0, fast_hash=self.config.use_fast_hash, backend=self.config.attention_backend,
-        )
-        # N-YOSO: the cumulation is not divided by its expected count; unit norm per head instead.
-        context = F.normalize(context, p=2.0, dim=-1)  # (B, H, N, d)
+        if self.core.uses_hashes:
+            context = self.core(q, k, v, mask, hashes=hashes)  # (B, H, N, d)
+        else:
+            context = self.core(q, k, v, mask)
         if self.conv is not None:
             masked_v = v if mask is None else v * mask[:, None, :, None].to(v.dtype)
             context = context + self.conv(masked_v)
@@ -161,13 +177,26 @@ class YosoLayer(nn.Module):
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output(self.intermediate(x), x)
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None, hashes: int) -> torch.Tensor:
-        x = self.attention(hidden, mask, hashes)
+    def chunked(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """fn over x (B, N, hidden), in sequence chunks when long (see EncoderConfig.ffn_chunk_size)."""
         chunk = self.config.ffn_chunk_size(x.shape[1])
         if not chunk or x.shape[1] <= chunk:
-            return self.feed_forward(x)
+            return fn(x)
         # Position-wise, so chunks give the same numbers with a bounded (B, chunk, intermediate) peak.
-        return torch.cat([self.feed_forward(part) for part in x.split(chunk, dim=1)], dim=1)
+        return torch.cat([fn(part) for part in x.split(chunk, dim=1)], dim=1)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None, hashes: int) -> torch.Tensor:
+        return self.chunked(self.feed_forward, self.attention(hidden, mask, hashes))
+
+    def attention_branch(self, x: torch.Tensor, mask: torch.Tensor | None, hashes: int) -> torch.Tensor:
+        """Reversible F(x): the attention sub-block's residual branch, LayerNorm first (pre-LN)."""
+        out = self.attention.output
+        return out.dropout(out.dense(self.attention.self(out.LayerNorm(x), mask, hashes)))
+
+    def feed_forward_branch(self, x: torch.Tensor) -> torch.Tensor:
+        """Reversible G(x): the feed-forward sub-block's residual branch, LayerNorm first (pre-LN)."""
+        out = self.output
+        return self.chunked(lambda part: out.dropout(out.dense(self.intermediate(out.LayerNorm(part)))), x)
 
 
 class YosoLayerStack(nn.Module):
@@ -177,7 +206,13 @@ class YosoLayerStack(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList([YosoLayer(config, i) for i in range(config.num_hidden_layers)])
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None, hashes: int) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None, hashes: int, *,
+                memory_saving: bool = True) -> torch.Tensor:
+        """hidden (B, N, hidden) → (B, N, hidden); ``memory_saving`` only matters for reversible stacks."""
+        if self.layer and self.layer[0].config.reversible:
+            blocks = [ReversibleBlock(functools.partial(layer.attention_branch, mask=mask, hashes=hashes),
+                                      layer.feed_forward_branch) for layer in self.layer]
+            return reversible_stack(blocks, hidden, memory_saving=memory_saving)
         for layer in self.layer:
             hidden = layer(hidden, mask, hashes)
         return hidden
@@ -204,11 +239,17 @@ class YosoEncoder(nn.Module):
             nn.init.zeros_(module.weight[module.padding_idx])
 
     def resolve_hashes(self, hashes: int | None) -> int:
-        """The hash count of a call: ``None`` → config.default_hashes; must be an int ≥ 0."""
+        """The hash count of a call: ``None`` → config.default_hashes; must be an int ≥ 0.
+
+        Only yoso has hash counts: another attention_type takes None or 0 and raises otherwise.
+        """
         if hashes is None:
             return self.config.default_hashes
         if isinstance(hashes, bool) or not isinstance(hashes, int) or hashes < 0:
             raise ValueError(f"hashes must be an int >= 0 (0 = exact), got {hashes!r}")
+        if hashes and self.config.attention_type != "yoso":
+            raise ValueError(f"hashes={hashes} only applies to attention_type=yoso; this model's attention_type "
+                             f"is {self.config.attention_type!r} (pass hashes=None)")
         return hashes
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from yoso_serve.model import EncoderConfig, EncoderModel, default_model_dir
+from yoso_serve.model import EncoderConfig, EncoderModel
+from yoso_serve.model.default import converted_minilm_dir
 
 TINY = dict(
     vocab_size=97,
@@ -51,11 +52,11 @@ def pad_batch(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, tor
 
 @pytest.fixture(scope="session")
 def default_dir(tmp_path_factory):
-    """The default model, converted once per test session into a private cache."""
+    """all-MiniLM-L6-v2 converted as the default-model fallback does, once per session, in a private cache."""
     cache = tmp_path_factory.mktemp("yoso-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("YOSO_CACHE_DIR", str(cache))
-        path = default_model_dir()
+        path = converted_minilm_dir()
     return path
 
 

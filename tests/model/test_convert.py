@@ -69,13 +69,14 @@ def test_minilm_conversion_layout(default_dir):
     assert not any(k.startswith(("pooler", "yoso.pooler")) for k in ours)
 
 
-def test_default_model_dir_converts_once(default_dir, monkeypatch):
+def test_conversion_fallback_converts_once(default_dir, monkeypatch):
     monkeypatch.setenv("YOSO_CACHE_DIR", str(default_dir.parent))
 
     def refuse(*args, **kwargs):
         raise AssertionError("converted a second time")
 
     monkeypatch.setattr(default_module, "convert_bert_to_yoso", refuse)
+    monkeypatch.setattr(default_module, "BUNDLED_DIR", default_dir.parent / "no-bundled-model")
     assert default_model_dir() == default_dir
     assert default_dir.name == "yoso-minilm-l6-4096"
     assert not [p for p in default_dir.parent.iterdir() if p.name.startswith(".")]  # no scratch left behind

@@ -1,0 +1,37 @@
+"""YOSO attention as a core (Zeng et al., 2021): the kernels' op plus N-YOSO's output norm.
+
+The only core whose cost/accuracy is chosen per call: ``hashes`` = m LSH samples (O(N·m)) or 0
+for the exact expectation YOSO-E (O(N²)). Hash projections are seeded per layer. The YOSO-C
+convolution stays in the layer (``attention.self.conv``) so that state-dict keys match
+transformers' ``YosoModel``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from yoso_serve.kernels import yoso_attention
+
+from .base import AttentionCore, register
+
+
+@register
+class YosoAttentionCore(AttentionCore):
+    """yoso_attention(q, k, v) then ℓ2-normalise each head's output row (N-YOSO, eq. 8)."""
+
+    name = "yoso"
+    uses_hashes = True
+
+    def __init__(self, config, seed: int):
+        super().__init__(config, seed)
+        self.hash_bits = config.hash_code_len
+        self.fast_hash = config.use_fast_hash
+        self.backend = config.attention_backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+                *, hashes: int) -> torch.Tensor:
+        context = yoso_attention(q, k, v, key_mask, num_hashes=hashes, hash_bits=self.hash_bits, seed=self.seed,
+                                 exact=hashes == 0, fast_hash=self.fast_hash, backend=self.backend)
+        # N-YOSO: the cumulation is not divided by its expected count; unit norm per head instead.
+        return F.normalize(context, p=2.0, dim=-1)  # (B, H, N, D)
