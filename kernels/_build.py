@@ -48,22 +48,22 @@ def _policy() -> str:
     return value
 
 
-def _build() -> tuple[ModuleType | None, str]:
+def _load(name: str, sources: list[Path], what: str, **flags) -> tuple[ModuleType | None, str]:
+    """Build (or take from torch's cache) one extension; (module, reason) — never raises."""
     # Imported here, not at module level: cpp_extension pulls in setuptools and probes compilers.
     from torch.utils.cpp_extension import load
 
     try:
-        module = load(
-            name=_EXTENSION_NAME,
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        module = load(name=name, sources=[str(p) for p in sources], extra_ldflags=["-fopenmp"], verbose=False,
+                      **flags)
     except Exception as exc:  # any compiler/linker/import failure means "no extension", with the reason
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return None, f"C++ extension build failed ({type(exc).__name__}: {first_line[:300]})"
-    return module, "C++ extension built and loaded"
+        return None, f"{what} build failed ({type(exc).__name__}: {first_line[:300]})"
+    return module, f"{what} built and loaded"
+
+
+def _build() -> tuple[ModuleType | None, str]:
+    return _load(_EXTENSION_NAME, _SOURCES, "C++ extension", extra_cflags=["-O3", "-fopenmp"])
 
 
 def cpu_extension() -> ModuleType | None:
@@ -129,21 +129,8 @@ _cuda_reason = ""
 
 
 def _build_cuda() -> tuple[ModuleType | None, str]:
-    from torch.utils.cpp_extension import load
-
-    try:
-        module = load(
-            name=_CUDA_EXTENSION_NAME,
-            sources=[str(p) for p in _CUDA_SOURCES],
-            extra_cflags=["-O3", "-fopenmp", "-DWITH_CUDA"],
-            extra_cuda_cflags=["-O3", "-std=c++17"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # any compiler/linker/import failure means "no CUDA extension", with the reason
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return None, f"CUDA extension build failed ({type(exc).__name__}: {first_line[:300]})"
-    return module, "CUDA extension built and loaded"
+    return _load(_CUDA_EXTENSION_NAME, _CUDA_SOURCES, "CUDA extension",
+                 extra_cflags=["-O3", "-fopenmp", "-DWITH_CUDA"], extra_cuda_cflags=["-O3", "-std=c++17"])
 
 
 def cuda_extension() -> ModuleType | None:
