@@ -3,12 +3,10 @@
 Part 1, time and peak memory of one forward versus N (B=1, H=12, τ=8, fp32, inference mode):
 torch ``scaled_dot_product_attention``, YOSO-E (exact expectation, O(N²), skipped past
 ``--exact-max``) and YOSO-m (``--hashes``), through the public ``yoso_attention`` with the
-backend it picks, plus "YOSO-32 C++ hash": the same forward with the extension's
-``fast_hash_codes`` in place of the PyTorch hashing (checked to give the same output). Per N
+backend it picks (with the C++ extension: ``fast_hash_codes`` and ``lsh_cumulate``). Per N
 the methods are interleaved inside every repeat, after one warm-up per method; the median of
-``--repeats`` is reported. A breakdown of YOSO-m (m=32) shows where the
-time goes: normalisation, hashing of q and k (public ``hash_codes`` and the extension's
-``fast_hash_codes``), and the cumulation.
+``--repeats`` is reported. A breakdown of YOSO-m (m=32) shows where the time goes:
+normalisation, hashing of q and k, and the cumulation, each through the kernels the op uses.
 
 Peak memory is the growth of the resident set during one forward (the kernel's VmHWM
 high-water mark, reset after a same-size warm-up, minus the RSS just before the call), in a
@@ -40,9 +38,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from yoso_serve.kernels import backend_info, hash_codes, yoso_attention
-from yoso_serve.kernels._build import cpu_extension
-from yoso_serve.kernels.hashing import _projection
+from yoso_serve.kernels import backend_info, yoso_attention
+from yoso_serve.kernels.yoso import _kernels
 from yoso_serve.kernels.yoso import lsh_cumulate as torch_lsh_cumulate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,44 +77,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-CPP_PIPELINE = "YOSO-32 C++ hash"  # what yoso_attention does, with the extension's hashing too
-
-
-def cpp_pipeline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: int, hash_bits: int) -> torch.Tensor:
-    """yoso_attention's LSH forward (seed 0, fast hash, no mask) with hashing AND cumulation in C++.
-
-    q, k, v: (B, H, N, D) fp32 → (B, H, N, D) fp32. Same projections as ``hash_codes``, so the
-    same codes up to rounding at a hyperplane (checked against the public op before timing).
-    """
-    ext = cpu_extension()
-    batch, heads, n, d = q.shape
-    proj = _projection(0, heads, m, hash_bits, d, True, q.device)  # (H, D, m·τ), cached
-    q_codes, k_codes = (ext.fast_hash_codes(F.normalize(x, dim=-1), proj, m, hash_bits) for x in (q, k))
-    flat = (batch * heads, m, n)
-    out = ext.lsh_cumulate(q_codes.view(flat), k_codes.view(flat), v.reshape(batch * heads, n, d), hash_bits)
-    return out.view(batch, heads, n, d)
-
-
 def forward_fn(method: str, hash_bits: int):
-    """method ∈ {"SDPA", "YOSO-E", "YOSO-<m>", CPP_PIPELINE} → f(q, k, v) running one forward."""
+    """method ∈ {"SDPA", "YOSO-E", "YOSO-<m>"} → f(q, k, v) running one forward."""
     if method == "SDPA":
         return F.scaled_dot_product_attention
     if method == "YOSO-E":
         return lambda q, k, v: yoso_attention(q, k, v, exact=True, hash_bits=hash_bits)
-    if method == CPP_PIPELINE:
-        return lambda q, k, v: cpp_pipeline(q, k, v, 32, hash_bits)
     m = int(method.split("-")[1])
     return lambda q, k, v: yoso_attention(q, k, v, num_hashes=m, hash_bits=hash_bits)
-
-
-def check_pipeline(args) -> None:
-    """The C++ pipeline must reproduce yoso_attention (rows off by a rounding-flipped code aside)."""
-    q, k, v = inputs(1000, 48, args.heads, seed=7)
-    ours = cpp_pipeline(q, k, v, 32, args.hash_bits)
-    public = yoso_attention(q, k, v, num_hashes=32, hash_bits=args.hash_bits)
-    same_rows = torch.isclose(ours, public, rtol=1e-5, atol=1e-5).all(-1).float().mean().item()
-    if same_rows < 0.999:
-        raise SystemExit(f"{CPP_PIPELINE} disagrees with yoso_attention on {100 * (1 - same_rows):.2f}% of rows")
 
 
 def inputs(n: int, d: int, heads: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -167,9 +134,6 @@ def measure_memory(method: str, n: int, d: int, args) -> float:
 
 def run_speed(args) -> dict:
     methods = ["SDPA", "YOSO-E"] + [f"YOSO-{m}" for m in args.hashes]
-    if cpu_extension() is not None:
-        check_pipeline(args)
-        methods.append(CPP_PIPELINE)
     results = {}  # (d, n, method) -> {"ms": .., "mb": ..}
     steps = len(args.dims) * len(args.sizes) * len(methods) * (args.repeats + (0 if args.no_memory else 1))
     bar = tqdm(total=steps, desc="speed", unit="run")
@@ -195,28 +159,27 @@ def run_speed(args) -> dict:
 
 
 def profile_yoso(args, m: int = 32) -> dict:
-    """Median ms of each stage of YOSO-m's forward: (d, n) -> {stage: ms}."""
-    ext = cpu_extension()
-    cumulate = ext.lsh_cumulate if ext is not None else torch_lsh_cumulate
+    """Median ms of each stage of YOSO-m's forward: (d, n) -> {stage: ms}.
+
+    Each stage calls the kernels ``yoso_attention`` picks for CPU tensors (``_kernels``), so the
+    stages add up to the op minus its argument checks and reshapes.
+    """
+    kernels = _kernels("auto", torch.device("cpu"))
+    where = "C++" if kernels.cumulate is not torch_lsh_cumulate else "torch"
     stages = {}
     with torch.inference_mode():
         for d in args.dims:
-            proj = _projection(0, args.heads, m, args.hash_bits, d, True, torch.device("cpu"))
             for n in tqdm(args.sizes, desc=f"profile D={d}", unit="N"):
                 q, k, v = inputs(n, d, args.heads)
                 qh, kh = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
                 bits = args.hash_bits
-                codes = hash_codes(qh, num_hashes=m, hash_bits=bits).view(args.heads, m, n)
+                codes = kernels.codes(qh, m, bits, 0, True).view(args.heads, m, n)
                 work = {
                     "normalise q, k": lambda: (F.normalize(q, dim=-1), F.normalize(k, dim=-1)),
-                    "hash_codes q, k (torch)": lambda: [hash_codes(x, num_hashes=m, hash_bits=bits) for x in (qh, kh)],
-                    "lsh_cumulate": lambda: cumulate(codes, codes, v.view(args.heads, n, d), bits),
+                    f"hash q, k ({where})": lambda: [kernels.codes(x, m, bits, 0, True) for x in (qh, kh)],
+                    f"cumulate ({where})": lambda: kernels.cumulate(codes, codes, v.view(args.heads, n, d), bits),
+                    "yoso_attention total": lambda: forward_fn(f"YOSO-{m}", bits)(q, k, v),
                 }
-                if ext is not None:
-                    work["fast_hash_codes q, k (C++)"] = lambda: [
-                        ext.fast_hash_codes(x, proj, m, bits) for x in (qh, kh)
-                    ]
-                work["yoso_attention total"] = lambda: forward_fn(f"YOSO-{m}", bits)(q, k, v)
                 stage_ms = {}
                 for name, fn in work.items():
                     fn()

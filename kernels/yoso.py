@@ -350,10 +350,11 @@ def yoso_attention(
     else:
         masked = (keep == 0)[:, None, :]  # (BH, 1, N)
         q_codes, k_codes = (
-            kernels.codes(x.detach(), num_hashes, hash_bits, seed, fast_hash)  # (B, H, m, N)
-            .view(batch * heads, num_hashes, length)
+            # hash the contiguous rows made above: q̂, k̂ of a (B, N, H, D) view would be copied again
+            kernels.codes(x.detach().view(batch, heads, length, dim), num_hashes, hash_bits, seed, fast_hash)
+            .view(batch * heads, num_hashes, length)  # (B, H, m, N) codes
             .masked_fill(masked, -1)
-            for x in (q_hat, k_hat)
+            for x in (q_flat, k_flat)
         )
         out = YosoLSHFn.apply(
             q_flat,
