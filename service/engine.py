@@ -116,12 +116,16 @@ class Engine:
         if s.chunk_overlap >= self.window:
             raise ValueError(f"--chunk-overlap {s.chunk_overlap} must be below the window of "
                              f"{self.window} tokens; lower it")
+        if s.hashes is not None and cfg.attention_type != "yoso":
+            raise ValueError(f"--hashes only applies to attention_type=yoso; this model's attention_type "
+                             f"is {cfg.attention_type!r}: leave it unset")
         self.default_hashes = s.hashes if s.hashes is not None else cfg.default_hashes
         if self.default_hashes > s.max_hashes:
             raise ValueError(f"the model's default hash count {self.default_hashes} is above "
                              f"--max-hashes {s.max_hashes}; raise --max-hashes or set --hashes")
         self.model = model.to(self.device).eval()
-        self.backend = backend_info()
+        # an ONNX model reports its own runtime (onnxruntime, providers) instead of the torch kernels'
+        self.backend = model.backend_info() if hasattr(model, "backend_info") else backend_info()
         self.metrics.set_model_info(model=self.model_name, hashes=self.default_hashes,
                                     backend=str(self.backend.get("backend")), device=self.device,
                                     runtime=s.runtime)
@@ -281,10 +285,18 @@ class Engine:
         raise NotReady(f"{reason}; retry later or on another replica")
 
     def _hashes(self, requested: int | None) -> int:
+        kind = self.model.config.attention_type
+        if requested is not None and kind != "yoso":  # other attention types have no hash count
+            raise InvalidInput(f"hashes only applies to attention_type=yoso; this model's attention_type is "
+                               f"{kind!r}: leave hashes unset", param="hashes")
         hashes = self.default_hashes if requested is None else requested
         if not 0 <= hashes <= self.settings.max_hashes:
             raise InvalidInput(f"hashes must be in [0, {self.settings.max_hashes}] (max_hashes), "
                                f"got {hashes}", param="hashes")
+        fixed = getattr(self.model, "fixed_hashes", None)  # an ONNX graph is exported for one count
+        if fixed is not None and hashes != fixed:
+            raise InvalidInput(f"hashes must be {fixed}: this ONNX model was exported with {fixed} hashes "
+                               f"(exported_hashes), got {hashes}", param="hashes")
         return hashes
 
     def _check_texts(self, texts: list[str]) -> None:

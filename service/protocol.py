@@ -35,7 +35,8 @@ class EmbedRequest(_Request):
                                   "a 422 (same as long_input='error').")
     truncation_direction: Direction = "right"
     pooling: Literal["mean", "cls"] | None = Field(None, description="Default: the model's.")
-    hashes: int | None = Field(None, description="LSH samples; 0 = exact YOSO-E. Default: the server's.")
+    hashes: int | None = Field(None, description="LSH samples; 0 = exact YOSO-E. Default: the server's. "
+                               "Only for attention_type=yoso models (422 otherwise).")
     long_input: LongInput = Field("truncate", description="What to do with an input over the "
                                   "model's max length: cut it, embed overlapping windows and "
                                   "combine them, or answer 422.")

@@ -50,8 +50,9 @@ class ServeSettings(BaseSettings):
                                 "choice (the number of cores).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when "
                                                    "available, else cpu.")
-    runtime: Literal["torch", "onnx"] = Field("torch", description="Inference runtime. Only "
-                                              "torch exists yet.")
+    runtime: Literal["torch", "onnx"] = Field("torch", description="Inference runtime: torch, or onnx "
+                                              "(ONNX Runtime; --model must be a directory written by "
+                                              "`yoso-train export-onnx`, see docs/onnx.md).")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Server log level.")
     log_texts: bool = Field(False, description="Log input texts (debugging only; off by default).")
@@ -63,8 +64,9 @@ class ServeSettings(BaseSettings):
     @model_validator(mode="after")
     def _check_start(self) -> "ServeSettings":
         if self.runtime == "onnx":
-            raise ValueError("runtime 'onnx' is not available yet (it comes with the ONNX export); "
-                             "use --runtime torch / YOSO_RUNTIME=torch")
+            from yoso_serve.model.onnx_runtime import check_serving
+
+            check_serving(self.model, self.hashes)
         if self.hashes is not None and self.hashes > self.max_hashes:
             raise ValueError(f"--hashes {self.hashes} is above --max-hashes {self.max_hashes}; "
                              "lower --hashes or raise --max-hashes")

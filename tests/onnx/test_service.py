@@ -1,0 +1,57 @@
+"""The service with ``--runtime onnx``: same API, vectors of the torch runtime, the runtime shown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from yoso_serve.service import ServeSettings
+
+TEXTS = ["the quick brown fox", "jumps over the lazy dog and keeps running far away", "short",
+         " ".join(f"word{i}" for i in range(300))]  # the last is truncated to the model's 160 tokens
+
+
+def _ask(model_dir, serve, **settings):
+    async def main():
+        async with serve(model_dir, **settings) as c:
+            batch = await c.post("/embed", json={"inputs": TEXTS})
+            # one request per text, sent together, so that the batcher pads them into shared batches
+            singles = await asyncio.gather(*(c.post("/embed", json={"inputs": t}) for t in TEXTS))
+            classified = await c.post("/classify", json={"inputs": TEXTS[:2], "raw_scores": True})
+            wrong = await c.post("/embed", json={"inputs": "hello", "hashes": 4})
+            return {"batch": batch, "singles": singles, "classify": classified, "wrong": wrong,
+                    "info": await c.get("/info"), "metrics": await c.get("/metrics")}
+
+    return asyncio.run(main())
+
+
+def test_onnx_runtime_serves_the_torch_runtime_vectors(torch_dir, lsh_dir, serve):
+    torch_run = _ask(torch_dir, serve)
+    onnx_run = _ask(lsh_dir, serve, runtime="onnx")
+    assert onnx_run["batch"].status_code == 200 and onnx_run["batch"].headers["x-hashes"] == "16"
+    expected = np.array(torch_run["batch"].json())
+    np.testing.assert_allclose(np.array(onnx_run["batch"].json()), expected, atol=1e-3)
+    singles = np.array([r.json()[0] for r in onnx_run["singles"]])
+    np.testing.assert_allclose(singles, expected, atol=1e-3)
+    torch_scores = [[s["score"] for s in row] for row in torch_run["classify"].json()]
+    onnx_scores = [[s["score"] for s in row] for row in onnx_run["classify"].json()]
+    np.testing.assert_allclose(onnx_scores, torch_scores, atol=1e-3)
+    info = onnx_run["info"].json()
+    assert info["runtime"] == "onnx" and info["backend"]["backend"] == "onnxruntime"
+    assert info["backend"]["providers"] == ["CPUExecutionProvider"] and info["default_hashes"] == 16
+    assert info["has_classifier"] and info["labels"] == ["negative", "neutral", "positive"]
+    assert 'runtime="onnx"' in onnx_run["metrics"].text and 'backend="onnxruntime"' in onnx_run["metrics"].text
+    # The graph fixes the hash count: asking for another is the client's error, naming the limit.
+    assert onnx_run["wrong"].status_code == 422
+    assert "16" in onnx_run["wrong"].json()["error"]["message"]
+    assert torch_run["wrong"].status_code == 200  # torch takes any count up to --max-hashes
+
+
+def test_onnx_runtime_refuses_a_torch_checkpoint_and_other_hash_defaults(torch_dir, lsh_dir):
+    with pytest.raises(ValidationError, match="export-onnx"):
+        ServeSettings(model=torch_dir, runtime="onnx")
+    with pytest.raises(ValidationError, match="exported with 16"):
+        ServeSettings(model=lsh_dir, runtime="onnx", hashes=8)
