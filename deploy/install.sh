@@ -108,7 +108,7 @@ if [[ "$flavor" == gpu ]]; then
   fi
 fi
 
-step "baking the default model"
+step "the default model (bundled in the package, else converted into the cache)"
 if [[ -n "$model_cache" ]]; then
   export YOSO_CACHE_DIR="$model_cache"
 fi

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,8 +65,10 @@ def test_cpu_install_on_a_bare_venv(kit, tmp_path):
     assert found["torch"].split("+")[0] == TORCH_PIN and found["cuda"] is None
     assert found["package"].startswith(str(venv / "lib")), found["package"]
     assert found["backend"]["backend"] == "cpp", found["backend"]
-    assert found["model"].startswith(str(tmp_path / "cache"))
-    assert (tmp_path / "cache" / os.path.basename(found["model"]) / "config.json").is_file()
+    # The distilled default model ships inside the installed package: nothing to convert or bake.
+    assert found["model"].startswith(str(venv / "lib")), found["model"]
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (Path(found["model"]) / name).is_file(), name
     assert not (tmp_path / "unused").exists()
     assert list((tmp_path / "ext").rglob("*.so")), "no compiled extension under TORCH_EXTENSIONS_DIR"
 
