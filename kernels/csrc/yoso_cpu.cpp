@@ -41,13 +41,10 @@ void check_codes_range(const torch::Tensor& codes, const char* name, int64_t buc
               " allows codes below 2^hash_bits = ", buckets, " (negative codes mean masked)");
 }
 
-yoso::CumulateParams check_common(const torch::Tensor& q_codes, const torch::Tensor& k_codes, const torch::Tensor& v,
-                            int64_t hash_bits) {
-  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
-              hash_bits);
-  check_tensor(q_codes, "q_codes", at::kInt, 3);
-  check_tensor(k_codes, "k_codes", at::kInt, 3);
-  check_tensor(v, "v", at::kFloat, 3);
+// The shape rules both devices share, once rank, dtype and device are checked, then the codes'
+// range; returns the bucket count 2^hash_bits.
+int64_t check_codes_against_values(const torch::Tensor& q_codes, const torch::Tensor& k_codes, const torch::Tensor& v,
+                                   int64_t hash_bits) {
   TORCH_CHECK(q_codes.size(0) == k_codes.size(0) && k_codes.size(0) == v.size(0),
               "batch*heads must match: q_codes (BH, m, Nq) ", q_codes.sizes(), ", k_codes (BH, m, Nk) ",
               k_codes.sizes(), ", v (BH, Nk, Dv) ", v.sizes());
@@ -60,6 +57,17 @@ yoso::CumulateParams check_common(const torch::Tensor& q_codes, const torch::Ten
   const int64_t buckets = int64_t(1) << hash_bits;
   check_codes_range(q_codes, "q_codes", buckets, hash_bits);
   check_codes_range(k_codes, "k_codes", buckets, hash_bits);
+  return buckets;
+}
+
+yoso::CumulateParams check_common(const torch::Tensor& q_codes, const torch::Tensor& k_codes, const torch::Tensor& v,
+                            int64_t hash_bits) {
+  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+              hash_bits);
+  check_tensor(q_codes, "q_codes", at::kInt, 3);
+  check_tensor(k_codes, "k_codes", at::kInt, 3);
+  check_tensor(v, "v", at::kFloat, 3);
+  const int64_t buckets = check_codes_against_values(q_codes, k_codes, v, hash_bits);
   yoso::CumulateParams p{};
   p.q_codes = q_codes.data_ptr<int32_t>();
   p.k_codes = k_codes.data_ptr<int32_t>();
@@ -103,19 +111,8 @@ YosoCumulateParams check_common_cuda(const torch::Tensor& q_codes, const torch::
   check_cuda_tensor(k_codes, "k_codes", 3, v);
   TORCH_CHECK(q_codes.scalar_type() == at::kInt, "q_codes must be int32, got ", c10::toString(q_codes.scalar_type()));
   TORCH_CHECK(k_codes.scalar_type() == at::kInt, "k_codes must be int32, got ", c10::toString(k_codes.scalar_type()));
-  TORCH_CHECK(q_codes.size(0) == k_codes.size(0) && k_codes.size(0) == v.size(0),
-              "batch*heads must match: q_codes (BH, m, Nq) ", q_codes.sizes(), ", k_codes (BH, m, Nk) ",
-              k_codes.sizes(), ", v (BH, Nk, Dv) ", v.sizes());
-  TORCH_CHECK(q_codes.size(1) == k_codes.size(1), "number of hashes m must match: q_codes has ", q_codes.size(1),
-              ", k_codes has ", k_codes.size(1));
-  TORCH_CHECK(q_codes.size(1) >= 1, "number of hashes m must be at least 1, got ", q_codes.size(1));
-  TORCH_CHECK(k_codes.size(2) == v.size(1), "Nk must match: k_codes (BH, m, Nk) ", k_codes.sizes(),
-              " vs v (BH, Nk, Dv) ", v.sizes());
-  TORCH_CHECK(q_codes.size(2) < (int64_t(1) << 31) && k_codes.size(2) < (int64_t(1) << 31),
-              "Nq and Nk must be below 2^31, got ", q_codes.size(2), " and ", k_codes.size(2));
-  const int64_t buckets = int64_t(1) << hash_bits;
-  check_codes_range(q_codes, "q_codes", buckets, hash_bits);
-  check_codes_range(k_codes, "k_codes", buckets, hash_bits);
+  TORCH_CHECK(q_codes.size(2) < (int64_t(1) << 31), "Nq must be below 2^31, got ", q_codes.size(2));
+  check_codes_against_values(q_codes, k_codes, v, hash_bits);
   YosoCumulateParams p{};
   p.q_codes = q_codes.data_ptr<int32_t>();
   p.k_codes = k_codes.data_ptr<int32_t>();
