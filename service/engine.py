@@ -182,11 +182,7 @@ class Engine:
         if p.long_input == "chunk":
             raise InvalidInput("long_input='chunk' is only for pooled embeddings (/embed); use "
                                "'truncate' or 'error' here", param="long_input")
-        t0 = time.monotonic()
-        pieces = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
-        usage = Usage(hashes=hashes, tokenize_ms=1000 * (time.monotonic() - t0))
-        rows = await self._run([w[0][0] for w in pieces], hashes, "hidden", None, usage, watch)
-        return Output(rows, usage)
+        return Output(*await self._run_whole_inputs(p, hashes, "hidden", watch))
 
     async def classify(self, p: ClassifyParams, watch: Watch | None = None) -> Output:
         """Per input, ``[(label, score), ...]`` sorted by score, highest first."""
@@ -215,6 +211,13 @@ class Engine:
         usage.inference_ms += labels.usage.inference_ms
         return Output(_ranked(scores, list(p.labels)), usage)
 
+    async def _run_whole_inputs(self, p, hashes: int, kind: str, watch: Watch | None) -> tuple[list, Usage]:
+        """Tokenise p.texts (one window each: no chunking) and run them; (rows, usage)."""
+        t0 = time.monotonic()
+        pieces = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
+        usage = Usage(hashes=hashes, tokenize_ms=1000 * (time.monotonic() - t0))
+        return await self._run([w[0][0] for w in pieces], hashes, kind, None, usage, watch), usage
+
     async def _classify_head(self, p: ClassifyParams, watch: Watch | None) -> Output:
         if not self.model.has_classifier:
             raise InvalidInput("this model has no classification head; pass `labels` to classify "
@@ -224,10 +227,8 @@ class Engine:
         if p.long_input == "chunk":
             raise InvalidInput("long_input='chunk' is not supported with a classification head; "
                                "use 'truncate' or 'error'", param="long_input")
-        t0 = time.monotonic()
-        pieces = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
-        usage = Usage(hashes=hashes, tokenize_ms=1000 * (time.monotonic() - t0))
-        logits = np.stack(await self._run([w[0][0] for w in pieces], hashes, "classify", None, usage, watch))
+        rows, usage = await self._run_whole_inputs(p, hashes, "classify", watch)
+        logits = np.stack(rows)
         if p.raw_scores:
             scores = logits
         elif p.multi_label:
