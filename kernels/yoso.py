@@ -13,6 +13,10 @@ Three faces with one signature:
   Gaussian family, nearly so with the fast rotation); in exact
   mode B is replaced by its expectation ``(1 − arccos(q̂·k̂)/π)^τ``. The lower bound is not
   the derivative of the forward (eq. 12 is), so only grad V is a true gradient.
+  ``exact_backward="true"`` makes exact mode return the derivative of its forward instead,
+  ``τ(1 − θ/π)^(τ−1) / (π·sinθ)`` per pair (sinθ floored at 1e-3): what training in exact
+  mode should follow when the aim is to fit a target (distillation), not to match the
+  gradient LSH training sees.
 * :func:`yoso_attention_ref` — pure PyTorch, dense (N×N) weights, same backward formula
   written plainly; the oracle for the op.
 
@@ -33,6 +37,9 @@ from .hashing import MAX_HASH_BITS, _projection, check_input, hash_codes, hash_c
 BACKENDS = ("auto", "torch", "cpp", "cuda")
 # Scratch tensors (hash tables, probability chunks) are cut to about this many fp32 values.
 _CHUNK_BUDGET = 1 << 24
+EXACT_BACKWARDS = ("bound", "true")
+# sinθ floor in the true exact-mode gradient: dE[B]/dcosθ grows like 1/sinθ as θ → 0
+_MIN_SINE = 1e-3
 
 
 def _hash_rows(q_codes, k_codes, rows, offsets):
@@ -247,9 +254,9 @@ class YosoExactFn(torch.autograd.Function):
         return [slice(s, min(s + step, q.shape[1])) for s in range(0, q.shape[1], step)]
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, hash_bits):
+    def forward(ctx, q, k, v, keep, hash_bits, true_grad=False):
         ctx.save_for_backward(q, k, v, keep)
-        ctx.hash_bits = hash_bits
+        ctx.hash_bits, ctx.true_grad = hash_bits, true_grad
         out = torch.empty(v.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
         for rows in YosoExactFn._chunks(q, k):
             weights = collision_probability(q[:, rows], k, hash_bits) * keep[:, None, :]
@@ -261,14 +268,22 @@ class YosoExactFn(torch.autograd.Function):
         q, k, v, keep = ctx.saved_tensors
         grad_out = grad_out.float() * keep[..., None]  # padded queries' outputs are constant zeros
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        tau = ctx.hash_bits
         for rows in YosoExactFn._chunks(q, k):
-            weights = collision_probability(q[:, rows], k, ctx.hash_bits) * keep[:, None, :]
+            cosine = torch.matmul(q[:, rows], k.transpose(-1, -2)).clamp_(-1.0, 1.0)  # (BH, c, N)
+            base = 1.0 - torch.arccos(cosine) / math.pi  # 1 − θ/π
+            weights = base**tau * keep[:, None, :]
             g = grad_out[:, rows]  # (BH, c, Dv)
             grad_v += torch.matmul(weights.transpose(1, 2), g)
-            scaled = torch.matmul(g, v.transpose(1, 2)).mul_(weights).mul_(ctx.hash_bits / 2)  # (BH, c, N)
+            if ctx.true_grad:  # d/dcosθ (1 − θ/π)^τ = τ(1 − θ/π)^(τ−1) / (π sinθ)
+                sine = (1.0 - cosine * cosine).clamp_(min=_MIN_SINE**2).sqrt_()
+                slope = base ** (tau - 1) * keep[:, None, :] * (tau / math.pi) / sine
+            else:  # eq. 13–14: τ/2 · E[B]
+                slope = weights * (tau / 2)
+            scaled = torch.matmul(g, v.transpose(1, 2)).mul_(slope)  # (BH, c, N)
             grad_q[:, rows] = torch.matmul(scaled, k)
             grad_k += torch.matmul(scaled.transpose(1, 2), q[:, rows])
-        return grad_q, grad_k, grad_v, None, None
+        return grad_q, grad_k, grad_v, None, None, None
 
 
 def _check_args(q, k, v, key_mask, num_hashes, hash_bits, seed, backend) -> None:
@@ -328,6 +343,7 @@ def yoso_attention(
     exact: bool = False,
     fast_hash: bool = True,
     backend: str = "auto",
+    exact_backward: str = "bound",
 ) -> torch.Tensor:
     """YOSO attention, un-normalised: B(q̂, k̂)·V.
 
@@ -336,9 +352,13 @@ def yoso_attention(
     q's dtype, computed in fp32. exact=True or num_hashes=0 → YOSO-E (O(N²), chunked);
     otherwise the mean over num_hashes LSH samples of hash_bits bits (O(N·m)), with
     projections seeded from (seed, head). backend: "auto" (C++ if built, else PyTorch),
-    "torch", "cpp"; exact mode always runs in PyTorch. Bad input → ValueError.
+    "torch", "cpp"; exact mode always runs in PyTorch. exact_backward: "bound" (the paper's
+    eq. 13–14, as transformers) or "true" (the derivative of exact mode's forward; LSH mode
+    always uses the bound). Bad input → ValueError.
     """
     _check_args(q, k, v, key_mask, num_hashes, hash_bits, seed, backend)
+    if exact_backward not in EXACT_BACKWARDS:
+        raise ValueError(f"exact_backward must be one of {EXACT_BACKWARDS}, got {exact_backward!r}")
     batch, heads, length, dim = q.shape
     q_hat, k_hat, values, keep = _prepare(q, k, v, key_mask)
     kernels = _kernels(backend, q.device)  # an unavailable backend fails in every mode, before any work
@@ -346,7 +366,7 @@ def yoso_attention(
     # the C++ kernels take contiguous (BH, N, D) rows; a transposed (B, N, H, D) input is not
     q_flat, k_flat, v_flat = (t.reshape(flat).contiguous() for t in (q_hat, k_hat, values))
     if exact or num_hashes == 0:
-        out = YosoExactFn.apply(q_flat, k_flat, v_flat, keep, hash_bits)
+        out = YosoExactFn.apply(q_flat, k_flat, v_flat, keep, hash_bits, exact_backward == "true")
     else:
         masked = (keep == 0)[:, None, :]  # (BH, 1, N)
         q_codes, k_codes = (

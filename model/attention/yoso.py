@@ -28,10 +28,13 @@ class YosoAttentionCore(AttentionCore):
         self.hash_bits = config.hash_code_len
         self.fast_hash = config.use_fast_hash
         self.backend = config.attention_backend
+        # training knob, not saved: "true" gives exact mode the derivative of its forward
+        self.exact_backward = "bound"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                 *, hashes: int) -> torch.Tensor:
         context = yoso_attention(q, k, v, key_mask, num_hashes=hashes, hash_bits=self.hash_bits, seed=self.seed,
-                                 exact=hashes == 0, fast_hash=self.fast_hash, backend=self.backend)
+                                 exact=hashes == 0, fast_hash=self.fast_hash, backend=self.backend,
+                                 exact_backward=self.exact_backward)
         # N-YOSO: the cumulation is not divided by its expected count; unit norm per head instead.
         return F.normalize(context, p=2.0, dim=-1)  # (B, H, N, D)

@@ -16,7 +16,15 @@ from .runtime import Distributed, RunDir, enable_gradient_checkpointing, init_di
 from .trainer import TrainOptions
 
 
-def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, batch_size: int, epochs: int) -> None:
+def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, batch_size: int, epochs: int,
+                         dropout: float | None = None) -> None:
+    g = p.add_argument_group("model in training")
+    g.add_argument("--exact-backward", default="true", choices=("true", "bound"),
+                   help="gradient of exact-mode (hashes=0) YOSO attention: the derivative of its forward "
+                        "(true), or the paper's lower bound that LSH training uses (bound, as transformers)")
+    g.add_argument("--dropout", type=float, default=dropout,
+                   help="dropout probability in training (default: the checkpoint's config"
+                        + ("" if dropout is None else f"; this command: {dropout}") + ")")
     g = p.add_argument_group("run")
     g.add_argument("--out", required=True, type=Path, help="run directory (config.json, metrics.jsonl, checkpoints)")
     g.add_argument("--resume", action="store_true", help="continue the run in --out from checkpoints/last.pt")
@@ -90,6 +98,13 @@ def read_texts(session: Session, paths: list[Path], tokenizer, *, max_length: in
     return examples, ids
 
 
-def maybe_checkpoint_layers(args: argparse.Namespace, module: torch.nn.Module, num_layers: int) -> None:
+def prepare_model(args: argparse.Namespace, module: torch.nn.Module, num_layers: int) -> None:
+    """Training-only settings on a YOSO encoder: gradient checkpointing, the exact-mode
+    backward and the dropout probability (none of them is saved with the checkpoint)."""
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(module, num_layers)
+    for m in module.modules():
+        if hasattr(m, "exact_backward"):
+            m.exact_backward = args.exact_backward
+        if args.dropout is not None and isinstance(m, torch.nn.Dropout):
+            m.p = args.dropout

@@ -20,7 +20,7 @@ from torch import nn
 from yoso_serve.model import EncoderModel, convert_bert_to_yoso, load_pretrained, save_pretrained
 from yoso_serve.model.encoder import YosoSelfAttention, layer_seed
 
-from .common import Session, add_common_arguments, maybe_checkpoint_layers, read_texts, start, train_options
+from .common import Session, add_common_arguments, prepare_model, read_texts, start, train_options
 from .data import TokenizedDataset, pad_batch
 from .teacher import BertTeacher, pool
 from .trainer import Trainer
@@ -42,8 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--w-cos", type=float, default=1.0, help="weight of 1 - cos(pooled)")
     p.add_argument("--w-mse", type=float, default=1.0, help="weight of MSE(pooled)")
     p.add_argument("--w-hidden", type=float, default=1.0, help="weight of MSE(last hidden, real tokens)")
+    p.add_argument("--hash-family", choices=("gaussian", "fast"),
+                   help="LSH projections of the student (written to its config as use_fast_hash; default: "
+                        "keep the student's). gaussian: unbiased collision rates; fast: HD3HD2HD1 rotations")
     p.add_argument("--save-fp16", action="store_true", help="store model/ in fp16 (the bundled format)")
-    add_common_arguments(p, lr=5e-5, batch_size=16, epochs=1)
+    # no dropout by default: the teacher's targets are deterministic, noise only blurs the fit
+    add_common_arguments(p, lr=5e-5, batch_size=16, epochs=1, dropout=0.0)
 
 
 def parse_hashes(text: str) -> list[int]:
@@ -129,6 +133,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("the student checkpoint has no tokenizer files")
     student.config.use_expectation = args.serve_hashes == 0
     student.config.num_hash = args.serve_hashes or student.config.num_hash
+    if args.hash_family:
+        student.config.use_fast_hash = args.hash_family == "fast"
+        for m in student.modules():
+            if hasattr(m, "fast_hash"):
+                m.fast_hash = student.config.use_fast_hash
     teacher = BertTeacher.from_dir(args.teacher, device=session.device)
     if teacher.config["vocab_size"] != student.config.vocab_size:
         raise ValueError(f"teacher vocab_size {teacher.config['vocab_size']} != student {student.config.vocab_size}")
@@ -136,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     cls_id, sep_id = tok.wrap([])
     max_length = min(args.max_length, student.config.max_length)
     _, ids = read_texts(session, args.data, tok, max_length=max_length, name="train")
-    maybe_checkpoint_layers(args, student.encoder, student.config.num_hidden_layers)
+    prepare_model(args, student.encoder, student.config.num_hidden_layers)
     module = DistillLoss(student, (args.w_cos, args.w_mse, args.w_hidden))
     trainer: Trainer
 

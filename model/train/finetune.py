@@ -23,7 +23,7 @@ from torch import nn
 from yoso_serve.model import EncoderConfig, EncoderModel, TextTokenizer, load_pretrained, save_pretrained
 from yoso_serve.model.heads import ClassificationHead
 
-from .common import add_common_arguments, maybe_checkpoint_layers, read_texts, start, train_options
+from .common import add_common_arguments, prepare_model, read_texts, start, train_options
 from .data import TokenizedDataset, label_targets, pad_batch, split_train_val
 from .evaluate import embed_all
 from .metrics import multi_label_metrics, single_label_metrics
@@ -42,7 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multi-label", action="store_true", help="force multi-label (automatic when a row has "
                    "several labels)")
     p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--hashes", type=int, default=None, help="hash count in training (default: the model's)")
+    p.add_argument("--hashes", type=int, default=None, help="hash count in training (default: the model's; "
+                   "0 = exact, whose gradient is the true one with --exact-backward true)")
+    p.add_argument("--eval-hashes", type=int, default=None,
+                   help="hash count for validation and test scoring (default: --hashes)")
     p.add_argument("--metric", choices=METRICS, default="f1", help="validation metric that picks best/")
     add_common_arguments(p, lr=3e-5, batch_size=16, epochs=3)
 
@@ -95,11 +98,17 @@ def build(args: argparse.Namespace, labels: list[str], multi: bool, device: torc
 
 @torch.no_grad()
 def score(clf: Classifier, ids, targets: torch.Tensor, *, multi: bool, num_labels: int, pad_id: int,
-          device: torch.device, batch_size: int) -> dict[str, float]:
-    was = clf.training
+          device: torch.device, batch_size: int, hashes: int | None) -> dict[str, float]:
+    """Metrics of ``clf`` on ``ids`` with ``hashes`` (None: the training count) in eval mode."""
+    was, trained_with = clf.training, clf.hashes
     clf.eval()
-    logits, _ = embed_all(clf.logits, ids, pad_id=pad_id, batch_size=batch_size, device=device, desc="validation")
-    clf.train(was)
+    clf.hashes = trained_with if hashes is None else hashes
+    try:
+        logits, _ = embed_all(clf.logits, ids, pad_id=pad_id, batch_size=batch_size, device=device,
+                              desc="validation")
+    finally:
+        clf.train(was)
+        clf.hashes = trained_with
     loss = (F.binary_cross_entropy_with_logits(logits, targets) if multi else F.cross_entropy(logits, targets)).item()
     metrics = multi_label_metrics(logits, targets) if multi else single_label_metrics(logits, targets, num_labels)
     return {"loss": loss, **metrics}
@@ -124,14 +133,14 @@ def run(args: argparse.Namespace) -> int:
     val_ids = [val_ids[i] for i in val_keep]
     clf, model, tok = build(args, labels, multi, session.device)
     if model is not None:
-        maybe_checkpoint_layers(args, model.yoso, model.config.num_hidden_layers)
+        prepare_model(args, model.yoso, model.config.num_hidden_layers)
     train_ds = TokenizedDataset([ids[i] for i in train_idx],
                                 label_targets([examples[i] for i in train_idx], label2id, multi_label=multi))
     trainer = Trainer(clf, train_ds, lambda items: pad_batch(items, tok.pad_id),
                       lambda b: {k: v.to(session.device) for k, v in b.items()},
                       options=train_options(args), run=session.run, dist_=session.dist, device=session.device)
     evaluate = dict(multi=multi, num_labels=len(labels), pad_id=tok.pad_id, device=session.device,
-                    batch_size=args.batch_size)
+                    batch_size=args.batch_size, hashes=args.eval_hashes)
 
     def on_epoch_end(epoch: int) -> dict[str, float]:
         if not session.dist.is_main:

@@ -17,7 +17,7 @@ from torch import nn
 
 from yoso_serve.model import EncoderConfig, EncoderModel, TextTokenizer, load_pretrained, save_pretrained
 
-from .common import add_common_arguments, maybe_checkpoint_layers, read_texts, start, train_options
+from .common import add_common_arguments, prepare_model, read_texts, start, train_options
 from .data import TokenizedDataset, pad_batch
 from .trainer import Trainer
 
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     special = sorted({*tok.wrap([]), tok.pad_id, mask_id})
     max_length = min(args.max_length, model.config.max_length)
     _, ids = read_texts(session, args.data, tok, max_length=max_length, name="train")
-    maybe_checkpoint_layers(args, model.yoso, model.config.num_hidden_layers)
+    prepare_model(args, model.yoso, model.config.num_hidden_layers)
     masking = dict(special_ids=special, mask_id=mask_id, vocab_size=model.config.vocab_size, prob=args.mask_prob)
     trainer: Trainer
 

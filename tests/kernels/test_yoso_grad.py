@@ -8,6 +8,8 @@ What is exact and what is an estimator:
   the sampled collisions; gradcheck cannot apply to them (they are not the derivative of the
   forward). Exact mode is checked against the closed form, written here independently, and
   the LSH gradients against their expectation (the exact mode) over many seeds.
+* exact_backward="true" makes exact mode return the derivative of its forward: checked against
+  fp64 autograd through the closed-form forward, and by gradcheck away from θ = 0.
 """
 
 from __future__ import annotations
@@ -38,6 +40,48 @@ def test_exact_gradients_match_the_closed_form(oracles, batch, length, dim, hash
         got = grads(fn, q, k, v, mask, grad_out, exact=True, hash_bits=hash_bits, backend="torch")
         for name, g, e in zip("qkv", got, expected):
             torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-5, msg=f"grad {name}")
+
+
+def closed_form_forward(q, k, v, mask, hash_bits):
+    """E[B]·V in fp64 by autograd-able ops: (1 − arccos(q̂·k̂)/π)^τ, masked keys and queries."""
+    q_hat, k_hat = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    weights = (1 - torch.arccos((q_hat @ k_hat.transpose(-1, -2)).clamp(-1, 1)) / torch.pi) ** hash_bits
+    keep = mask.to(q.dtype)
+    return (weights * keep[:, None, None, :]) @ v * keep[:, None, :, None]
+
+
+@pytest.mark.parametrize(("length", "dim", "hash_bits"), [(37, 16, 8), (9, 5, 3), (1, 8, 16)])
+def test_true_exact_backward_is_the_derivative_of_the_forward(oracles, length, dim, hash_bits):
+    q, k, v = oracles.random_qkv(2, 3, length, dim, seed=length + dim)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
+    mask = oracles.lengths_mask([length, max(1, length - 5)], length)
+    got = grads(yoso_attention, q, k, v, mask, grad_out, exact=True, hash_bits=hash_bits, backend="torch",
+                exact_backward="true")
+    expected = grads(closed_form_forward, q.double(), k.double(), v.double(), mask, grad_out.double(),
+                     hash_bits=hash_bits)
+    for name, g, e in zip("qkv", got, expected):
+        torch.testing.assert_close(g.double(), e, rtol=1e-4, atol=1e-5, msg=f"grad {name}")
+    bound = grads(yoso_attention, q, k, v, mask, grad_out, exact=True, hash_bits=hash_bits, backend="torch")
+    if length > 1:  # the paper's bound is another vector field: the option really switches
+        assert not torch.allclose(bound[0], got[0], rtol=1e-2, atol=1e-4)
+    torch.testing.assert_close(bound[2], got[2])  # grad V is the same true gradient in both
+
+
+@pytest.mark.filterwarnings("ignore:Input #")  # fp32 inputs: the op takes no float64
+def test_true_exact_backward_passes_gradcheck():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=gen) for _ in range(3))
+
+    def f(q, k):  # finite differences with a large step stay above fp32 rounding
+        return yoso_attention(q, k, v, exact=True, hash_bits=4, backend="torch", exact_backward="true")
+
+    assert torch.autograd.gradcheck(f, (q.requires_grad_(), k.requires_grad_()), eps=1e-2, atol=5e-3, rtol=5e-2)
+
+
+def test_unknown_exact_backward_is_refused():
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="exact_backward must be one of"):
+        yoso_attention(q, q, q, exact=True, exact_backward="paper")
 
 
 @pytest.mark.parametrize("fast_hash", [True, False])

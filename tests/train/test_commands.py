@@ -58,6 +58,30 @@ def test_finetune_learns_a_separable_task_and_best_dir_serves(tiny_yoso, topic_d
     assert json.loads((out / "results.json").read_text())["best"]["epoch"] == best["epoch"]
 
 
+def test_finetune_scores_at_eval_hashes(tiny_yoso, topic_data, tmp_path):
+    """Training in exact mode, scoring at a served hash count: the logged validation loss is the
+    saved model's loss at that count, not at the training count."""
+    out = tmp_path / "ft8"
+    assert main(["finetune", "--model", str(tiny_yoso), "--data", str(topic_data), "--out", str(out),
+                 "--epochs", "1", "--batch-size", "8", "--lr", "3e-3", "--val-fraction", "0.25",
+                 "--hashes", "0", "--eval-hashes", "8", *CPU]) == 0
+    logged = events(out, "epoch")[0]["val_loss"]
+    model = load_pretrained(out / "best")
+    rows = [json.loads(line) for line in topic_data.read_text().splitlines()]
+    _, val = split_train_val(len(rows), 0.25, seed=0)
+    label2id = {v: k for k, v in model.id2label.items()}
+    targets = torch.tensor([label2id[rows[i]["label"]] for i in val])
+    seqs = model.tokenizer.encode([rows[i]["text"] for i in val], max_length=512)
+
+    def loss(hashes: int) -> float:
+        logits = torch.cat([model.classify(torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long),
+                                           hashes=hashes) for seq in seqs])
+        return F.cross_entropy(logits.float(), targets).item()
+
+    assert logged == pytest.approx(loss(8), rel=1e-4)
+    assert abs(loss(0) - loss(8)) > 1e-3  # the two counts are told apart
+
+
 def test_finetune_multi_label(tiny_yoso, tmp_path, sentences, write_jsonl):
     rows = [{"text": t, "labels": (["x", "y"] if i % 3 == 0 else ["x"])} for i, t in enumerate(sentences(24))]
     data = write_jsonl(tmp_path / "ml.jsonl", rows)
@@ -102,6 +126,37 @@ def test_distill_improves_agreement_and_uses_teacher_windows(tiny_bert, tiny_yos
     assert events(out, "stop")[0]["reason"] == "done"
     saved = load_pretrained(out / "model")
     assert saved.config.num_hash == 32 and not saved.config.use_expectation
+
+
+def test_distill_hash_family_is_written_to_the_student(tiny_bert, tiny_yoso, mixed_texts, tmp_path):
+    assert load_pretrained(tiny_yoso).config.use_fast_hash
+    out = tmp_path / "gauss"
+    assert main(["distill", "--teacher", str(tiny_bert), "--data", str(mixed_texts), "--student", str(tiny_yoso),
+                 "--out", str(out), "--max-length", "64", "--train-hashes", "8", "--max-steps", "1",
+                 "--batch-size", "4", "--hash-family", "gaussian", *CPU]) == 0
+    assert not load_pretrained(out / "model").config.use_fast_hash
+
+
+def test_prepare_model_sets_the_training_only_knobs(tiny_yoso):
+    from yoso_serve.model.train.cli import build_parser
+    from yoso_serve.model.train.common import prepare_model
+
+    model = load_pretrained(tiny_yoso)
+    args = build_parser().parse_args(["distill", "--teacher", "t", "--data", "d", "--out", "o"])
+    assert (args.exact_backward, args.dropout) == ("true", 0.0)  # distill's defaults
+    prepare_model(args, model.yoso, model.config.num_hidden_layers)
+    cores = [m for m in model.modules() if hasattr(m, "exact_backward")]
+    drops = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert cores and all(m.exact_backward == "true" for m in cores)
+    assert drops and all(m.p == 0.0 for m in drops)
+    # finetune keeps the checkpoint's dropout unless told, and can ask for the paper's bound
+    args = build_parser().parse_args(["finetune", "--model", "m", "--data", "d", "--out", "o",
+                                      "--exact-backward", "bound"])
+    assert args.dropout is None
+    fresh = load_pretrained(tiny_yoso)
+    prepare_model(args, fresh.yoso, fresh.config.num_hidden_layers)
+    assert all(m.exact_backward == "bound" for m in fresh.modules() if hasattr(m, "exact_backward"))
+    assert all(m.p == fresh.config.hidden_dropout_prob for m in fresh.modules() if isinstance(m, torch.nn.Dropout))
 
 
 def test_resume_reproduces_an_uninterrupted_run(tiny_bert, tiny_yoso, mixed_texts, tmp_path):
