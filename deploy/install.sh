@@ -72,7 +72,7 @@ print(f"torch {torch.__version__} (CUDA {cuda})")
 PY
 
 step "yoso-serve from ${src} (not editable)"
-# the ONNX runtime that fits the flavour (`--runtime onnx`); the torch runtime needs neither
+# the ONNX runtime that fits the flavour (`--runtime onnx` or `hybrid`); torch, the default, needs neither
 onnx_extra=onnx
 [[ "$flavor" == gpu ]] && onnx_extra=onnx-gpu
 "${pip[@]}" install --constraint "$constraints" "${src}[${onnx_extra}]"

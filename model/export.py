@@ -13,7 +13,8 @@ The attention is rewritten with standard operators so that any ONNX runtime can 
 The hash count is fixed at export time (written to config.json's ``onnx`` section) because it sets
 the graph's shapes and initializers. The out directory holds ``model.onnx``, ``config.json`` and the
 tokenizer files: :class:`yoso_serve.model.onnx_runtime.OnnxEncoderModel` serves it.
-Pure torch: ``onnx``/``onnxruntime`` are only needed to run the result.
+The graph is torch's TorchScript exporter's, which needs the ``onnx`` package to write the file;
+``onnxruntime`` is only needed to run the result.
 """
 
 from __future__ import annotations
@@ -191,6 +192,14 @@ def _check_hashes(hashes: int) -> None:
         raise ValueError(f"hashes must be an int >= 0 (0 = exact YOSO-E), got {hashes!r}")
 
 
+def check_exportable(config) -> None:
+    """Raise ValueError unless ``config`` (an EncoderConfig) is a model this exporter covers."""
+    if config.attention_type != "yoso" or getattr(config, "reversible", False):
+        raise ValueError(f"ONNX export covers post-LN YOSO encoders (attention_type 'yoso', reversible False); "
+                         f"this model has attention_type {config.attention_type!r}, reversible "
+                         f"{getattr(config, 'reversible', False)}")
+
+
 def export_onnx(model: EncoderModel | str | Path, out_dir: str | Path, *, hashes: int | None = None,
                 opset: int = DEFAULT_OPSET) -> Path:
     """Write ``out_dir`` = model.onnx + config.json (with an ``onnx`` section) + tokenizer files.
@@ -202,10 +211,7 @@ def export_onnx(model: EncoderModel | str | Path, out_dir: str | Path, *, hashes
     """
     if not isinstance(model, EncoderModel):
         model = load_pretrained(model)
-    if model.config.attention_type != "yoso" or getattr(model.config, "reversible", False):
-        raise ValueError(f"ONNX export covers post-LN YOSO encoders (attention_type 'yoso', reversible False); "
-                         f"this model has attention_type {model.config.attention_type!r}, reversible "
-                         f"{getattr(model.config, 'reversible', False)}")
+    check_exportable(model.config)
     hashes = model.config.default_hashes if hashes is None else hashes
     _check_hashes(hashes)
     if opset < 16:

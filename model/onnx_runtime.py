@@ -81,10 +81,12 @@ def check_serving(path: str | Path | None, hashes: int | None = None) -> None:
     if path is None:
         raise ValueError("--runtime onnx needs --model pointing at a directory written by "
                          "`yoso-train export-onnx` (docs/onnx.md); the bundled default model is a torch "
-                         "checkpoint: to serve it, use --runtime torch")
+                         "checkpoint: to serve it, use --runtime torch (what auto picks) or --runtime hybrid "
+                         "(ONNX Runtime from an export cached at the first start)")
     if not is_onnx_dir(path):
         raise ValueError(f"--model {path} is not an ONNX export (no 'onnx' section in its config.json); "
-                         f"run `yoso-train export-onnx --model {path} --out DIR` and serve DIR")
+                         f"serve it with --runtime torch or hybrid (exported into the cache once), or run "
+                         f"`yoso-train export-onnx --model {path} --out DIR` and serve DIR")
     _import_onnxruntime()
     exported = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))["onnx"]["hashes"]
     if hashes is not None and hashes != exported:
@@ -98,6 +100,8 @@ class OnnxEncoderModel:
     path: the directory written by :func:`yoso_serve.model.export.export_onnx`; device: "cpu" or
     "cuda". On the CPU the session runs one intra-op thread: see :func:`session_options`.
     """
+
+    runtime = "onnx"
 
     def __init__(self, path: str | Path, *, device: str = "cpu"):
         self.path = Path(path)

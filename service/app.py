@@ -30,16 +30,11 @@ _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 413, 422, 429, 
 
 
 def _default_loader(settings: ServeSettings) -> tuple[Callable, str]:
-    """Load from --model, or the bundled default model. Imported lazily: the model package is heavy."""
-    from yoso_serve.model import default_model_dir, load_pretrained
+    """Load from --model, or the bundled default model, for the runtime --runtime resolves to."""
+    from .runtime import load_served_model
 
     def load():
-        if settings.runtime == "onnx":  # settings checked that --model is an exported directory
-            from yoso_serve.model.onnx_runtime import load_onnx
-
-            return load_onnx(settings.model, device=settings.resolved_device())
-        path = settings.model or default_model_dir()
-        return load_pretrained(path, device=settings.resolved_device())
+        return load_served_model(settings)
 
     name = str(settings.model) if settings.model is not None else "yoso-default"
     return load, name

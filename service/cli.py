@@ -1,5 +1,9 @@
 """``yoso-serve``: parse flags (each also ``YOSO_<NAME>``), validate, run uvicorn with a graceful drain.
 
+``yoso-serve --prepare`` loads the model for its runtime (with ``--runtime hybrid``: the ONNX export into
+the cache, written once), prints the resolved runtime as JSON and exits 0 without serving (1 when the
+model cannot be loaded for it): an image or an install step warms the cache with it.
+
 SIGTERM/SIGINT: the engine stops taking work at once (/ready and new requests → 503), uvicorn stops
 accepting connections and waits up to --drain-timeout for accepted requests, then the lifespan
 shutdown runs what is still queued and the process exits 0.
@@ -8,6 +12,7 @@ shutdown runs what is still queued and the process exits 0.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -33,17 +38,44 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             parser.add_argument(flag_name(name), default=argparse.SUPPRESS, choices=choices,
                                 metavar=name.upper(), help=help_text.replace("%", "%%"))
+    parser.add_argument("--prepare", action="store_true", help="Load the model for its runtime (hybrid: write "
+                        "the ONNX export into YOSO_CACHE_DIR if it is not there), print the resolved runtime "
+                        "as JSON and exit 0 without serving.")
     return parser
+
+
+def _parse(argv: list[str] | None) -> tuple[ServeSettings, bool]:
+    given = vars(build_parser().parse_args(argv))
+    prepare = given.pop("prepare")
+    try:
+        return ServeSettings(**given), prepare
+    except ValidationError as err:
+        print(f"yoso-serve: {describe_errors(err)}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def load_settings(argv: list[str] | None = None) -> ServeSettings:
     """Flags over env over defaults; exits 2 with a how-to-fix message when something is wrong."""
-    given = vars(build_parser().parse_args(argv))
+    return _parse(argv)[0]
+
+
+def prepare(settings: ServeSettings) -> int:
+    """``--prepare``: load (exporting into the cache if needed), print what would serve, 0 or 1."""
+    import torch
+
+    from .runtime import load_served_model
+
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
     try:
-        return ServeSettings(**given)
-    except ValidationError as err:
-        print(f"yoso-serve: {describe_errors(err)}", file=sys.stderr)
-        raise SystemExit(2) from None
+        loaded = load_served_model(settings)
+    except Exception as exc:  # a bad checkpoint, a hybrid export that cannot be written: a start would exit 1 too
+        print(f"yoso-serve --prepare: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    export = getattr(loaded.model, "export_dir", None)
+    print(json.dumps({"runtime": loaded.runtime, "reason": loaded.reason,
+                      "onnx_export": None if export is None else str(export)}))
+    return 0
 
 
 class _DrainingServer(uvicorn.Server):
@@ -64,9 +96,11 @@ class _DrainingServer(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = load_settings(argv)
+    settings, prepare_only = _parse(argv)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if prepare_only:
+        sys.exit(prepare(settings))
     log = logging.getLogger("yoso_serve.service")
     shown = settings.model_dump(exclude={"api_key"}, mode="json")
     log.info("settings: %s, api_key %s", shown, "set" if settings.api_key else "not set")

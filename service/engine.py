@@ -19,6 +19,7 @@ import torch
 from .errors import ClientGone, InvalidInput, NotReady
 from .metrics import ServiceMetrics
 from .params import ClassifyParams, EmbedParams, HiddenParams, Output, Usage
+from .runtime import LoadedModel
 from .scheduler import BatchScheduler, WorkItem
 from .settings import ServeSettings
 
@@ -53,11 +54,12 @@ def chunk_windows(n_tokens: int, window: int, overlap: int) -> list[tuple[int, i
 
 
 class Engine:
-    """Serves one model. ``load_model()`` (called on a worker thread at start) returns an
-    ``EncoderModel`` (see yoso_serve.model); ``settings`` sets every limit."""
+    """Serves one model. ``load_model()`` (called on a worker thread at start) returns a
+    :class:`LoadedModel` (the model with its runtime, see runtime.py) or a bare ``EncoderModel``
+    (see yoso_serve.model); ``settings`` sets every limit."""
 
     def __init__(self, settings: ServeSettings, metrics: ServiceMetrics,
-                 load_model: Callable[[], torch.nn.Module], *, model_name: str) -> None:
+                 load_model: Callable[[], object], *, model_name: str) -> None:
         self.settings = settings
         self.metrics = metrics
         self.model_name = model_name
@@ -68,6 +70,8 @@ class Engine:
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="yoso-tokenize")
         self.scheduler: BatchScheduler | None = None
         self.backend: dict = {}
+        self.runtime: str = settings.runtime  # the resolved one once loaded ("auto" means not yet)
+        self.runtime_reason: str | None = None
 
     # --- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -91,8 +95,8 @@ class Engine:
             return
         self.state = "ready"
         self.metrics.ready.set(1)
-        log.info("ready: %s on %s, %d hashes, backend %s", self.model_name, self.device,
-                 self.default_hashes, self.backend.get("backend"))
+        log.info("ready: %s on %s, %d hashes, runtime %s, backend %s", self.model_name, self.device,
+                 self.default_hashes, self.runtime, self.backend.get("backend"))
 
     def _load(self) -> None:
         from yoso_serve.kernels import backend_info
@@ -101,7 +105,10 @@ class Engine:
         if s.threads is not None:
             torch.set_num_threads(s.threads)
         self.device = s.resolved_device()
-        model = self._load_model()
+        loaded = self._load_model()
+        if not isinstance(loaded, LoadedModel):  # a loader that hands over a bare model (tests, embedders)
+            loaded = LoadedModel(loaded, getattr(loaded, "runtime", "torch"), "the model the loader returned")
+        model = loaded.model
         cfg = model.config
         if model.tokenizer is None:
             raise ValueError("the model directory has no tokenizer (tokenizer.json or vocab.txt)")
@@ -124,11 +131,12 @@ class Engine:
             raise ValueError(f"the model's default hash count {self.default_hashes} is above "
                              f"--max-hashes {s.max_hashes}; raise --max-hashes or set --hashes")
         self.model = model.to(self.device).eval()
-        # an ONNX model reports its own runtime (onnxruntime, providers) instead of the torch kernels'
+        # an ONNX or hybrid model reports its own runtime (onnxruntime, providers) besides the torch kernels'
         self.backend = model.backend_info() if hasattr(model, "backend_info") else backend_info()
+        self.runtime, self.runtime_reason = loaded.runtime, loaded.reason
         self.metrics.set_model_info(model=self.model_name, hashes=self.default_hashes,
                                     backend=str(self.backend.get("backend")), device=self.device,
-                                    runtime=s.runtime)
+                                    runtime=self.runtime)
         self.scheduler = BatchScheduler(
             self._forward, max_batch_tokens=s.max_batch_tokens, max_batch_requests=s.max_batch_requests,
             max_wait_ms=s.max_wait_ms, max_queue_tokens=s.max_queue_tokens, metrics=self.metrics)
@@ -271,7 +279,8 @@ class Engine:
             "labels": None if cfg is None else list(self.model.id2label.values()),
             "backend": self.backend,
             "device": getattr(self, "device", None),
-            "runtime": s.runtime,
+            "runtime": self.runtime,
+            "runtime_reason": self.runtime_reason,
             "limits": {k: getattr(s, k) for k in (
                 "max_batch_tokens", "max_batch_requests", "max_wait_ms", "max_queue_tokens",
                 "max_client_batch_size", "payload_limit", "request_timeout", "chunk_overlap")},

@@ -50,9 +50,12 @@ class ServeSettings(BaseSettings):
                                 "choice (the number of cores).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when "
                                                    "available, else cpu.")
-    runtime: Literal["torch", "onnx"] = Field("torch", description="Inference runtime: torch, or onnx "
-                                              "(ONNX Runtime; --model must be a directory written by "
-                                              "`yoso-train export-onnx`, see docs/onnx.md).")
+    runtime: Literal["auto", "torch", "hybrid", "onnx"] = Field(
+        "auto", description="Inference runtime. auto = the faster per device, torch on both CPU and CUDA "
+        "(docs/benchmarks.md). torch = torch only; hybrid = ONNX Runtime for the served hash count "
+        "(exported into YOSO_CACHE_DIR at the first start) and torch for other counts, needs the onnx "
+        "extra; onnx = ONNX Runtime only, --model must be a directory written by `yoso-train export-onnx` "
+        "(docs/onnx.md).")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Server log level.")
     log_texts: bool = Field(False, description="Log input texts (debugging only; off by default).")
@@ -67,6 +70,10 @@ class ServeSettings(BaseSettings):
             from yoso_serve.model.onnx_runtime import check_serving
 
             check_serving(self.model, self.hashes)
+        if self.runtime == "hybrid":
+            from yoso_serve.model.hybrid import check_serving as check_hybrid_serving
+
+            check_hybrid_serving(self.hashes)
         if self.hashes is not None and self.hashes > self.max_hashes:
             raise ValueError(f"--hashes {self.hashes} is above --max-hashes {self.max_hashes}; "
                              "lower --hashes or raise --max-hashes")

@@ -70,6 +70,8 @@ def test_cpu_install_on_a_bare_venv(kit, tmp_path):
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (Path(found["model"]) / name).is_file(), name
     assert not (tmp_path / "unused").exists()
+    # Nothing exported at build time: the default runtime is torch (--runtime hybrid exports at its start)
+    assert not (tmp_path / "cache" / "onnx").exists()
     assert list((tmp_path / "ext").rglob("*.so")), "no compiled extension under TORCH_EXTENSIONS_DIR"
 
     # The Kubernetes init container's hand-over: a `cp -a` copy loads where no compiler exists (PATH

@@ -73,6 +73,12 @@ def padded():
     return _padded
 
 
+@pytest.fixture
+def make_tiny_model():
+    """``make_tiny_model(seed=0, labels=None, **config_overrides)``: a fresh tiny model, TINY's config."""
+    return _tiny_model
+
+
 @pytest.fixture(scope="session")
 def torch_dir(tiny_model, tmp_path_factory) -> Path:
     """The checkpoint ``lsh_dir`` was exported from, for the torch runtime."""

@@ -29,7 +29,7 @@ def _ask(model_dir, serve, **settings):
 
 
 def test_onnx_runtime_serves_the_torch_runtime_vectors(torch_dir, lsh_dir, serve):
-    torch_run = _ask(torch_dir, serve)
+    torch_run = _ask(torch_dir, serve, runtime="torch")
     onnx_run = _ask(lsh_dir, serve, runtime="onnx")
     assert onnx_run["batch"].status_code == 200 and onnx_run["batch"].headers["x-hashes"] == "16"
     expected = np.array(torch_run["batch"].json())

@@ -45,8 +45,11 @@ def default_dir() -> Path:
 
 @asynccontextmanager
 async def serving(model_dir: Path, *, wait_ready: bool = True, load_model=None, **overrides):
-    """An app on ``model_dir`` with its lifespan running, and an httpx client talking to it in-process."""
-    settings = ServeSettings(model=model_dir, **overrides)
+    """An app on ``model_dir`` with its lifespan running, and an httpx client talking to it in-process.
+
+    The runtime is torch unless a test asks for another: these tests check the service against torch
+    oracles whatever the default runtime (tests/onnx covers the others)."""
+    settings = ServeSettings(model=model_dir, **{"runtime": "torch", **overrides})
     app = create_app(settings, load_model=load_model, model_name="test-model" if load_model else None)
     async with app.router.lifespan_context(app):
         if wait_ready:

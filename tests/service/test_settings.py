@@ -12,13 +12,14 @@ from yoso_serve.service.settings import ServeSettings
 
 def test_defaults_env_and_flag_precedence(monkeypatch):
     s = load_settings([])
-    assert (s.host, s.port, s.max_hashes, s.runtime, s.log_texts, s.api_key) == ("0.0.0.0", 8080, 256, "torch",
+    assert (s.host, s.port, s.max_hashes, s.runtime, s.log_texts, s.api_key) == ("0.0.0.0", 8080, 256, "auto",
                                                                                False, None)
     monkeypatch.setenv("YOSO_PORT", "9000")
     monkeypatch.setenv("YOSO_MAX_WAIT_MS", "7.5")
     monkeypatch.setenv("YOSO_LOG_TEXTS", "true")
+    monkeypatch.setenv("YOSO_RUNTIME", "torch")
     s = load_settings(["--port", "9100"])
-    assert s.port == 9100 and s.max_wait_ms == 7.5 and s.log_texts is True
+    assert s.port == 9100 and s.max_wait_ms == 7.5 and s.log_texts is True and s.runtime == "torch"
     assert load_settings(["--no-log-texts"]).log_texts is False
 
 
@@ -30,7 +31,9 @@ def test_every_setting_has_a_flag_and_an_env_var(monkeypatch):
 
 @pytest.mark.parametrize("argv,env,fix", [
     ([], {"YOSO_MAX_BATCH_REQUESTS": "0"}, "--max-batch-requests / YOSO_MAX_BATCH_REQUESTS: Input should be greater"),
-    (["--runtime", "onnx"], {}, "use --runtime torch"),
+    (["--runtime", "onnx"], {}, "to serve it, use --runtime torch (what auto picks) or --runtime hybrid"),
+    ([], {"YOSO_RUNTIME": "tensorrt"}, "--runtime / YOSO_RUNTIME: Input should be 'auto', 'torch', 'hybrid' or 'onnx'"),
+    (["--runtime", "hybrid", "--hashes", "0"], {}, "--runtime hybrid with --hashes 0: the exact (YOSO-E) ONNX graph"),
     (["--model", "{tmp}"], {}, "has no config.json; point --model / YOSO_MODEL"),
     (["--port", "http"], {}, "--port / YOSO_PORT"),
     (["--hashes", "300"], {}, "--hashes 300 is above --max-hashes 256"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shlex
 import shutil
@@ -29,10 +30,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
+def start_server(*flags: str, cache: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """The default model on the default runtime; ``cache``, if given, as YOSO_CACHE_DIR."""
     port = free_port()
+    env = {**os.environ, "YOSO_CACHE_DIR": str(cache)} if cache is not None else None
     proc = subprocess.Popen([str(SCRIPT), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-                             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -58,10 +61,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
+    """What `make serve` runs: no flags but the address, so the runtime is the default (auto), with a
+    private YOSO_CACHE_DIR to show that it writes nothing there."""
     metrics_port = free_port()
-    proc, url = start_server("--metrics-port", str(metrics_port))
-    yield url, metrics_port
+    cache = tmp_path_factory.mktemp("yoso-cache")
+    proc, url = start_server("--metrics-port", str(metrics_port), cache=cache)
+    yield url, metrics_port, cache
     stop(proc)
 
 
@@ -93,10 +99,14 @@ def run_example(command: str, base: str) -> tuple[int, str]:
 
 
 def test_docs_curl_examples_work_as_written(server):
-    url, _ = server
+    url, _, cache = server
     examples = curl_examples()
     assert len(examples) >= 9
-    hidden = httpx.get(f"{url}/info", timeout=10).json()["config"]["hidden_size"]
+    info = httpx.get(f"{url}/info", timeout=10).json()
+    hidden = info["config"]["hidden_size"]
+    # the default runtime (auto) is torch on CPU and on CUDA, and exports nothing
+    assert info["runtime"] == "torch" and info["runtime_reason"].startswith(f"auto on {info['device']}: torch"), info
+    assert list(cache.iterdir()) == []
     seen = set()
     for command in examples:
         status, body = run_example(command, url)
@@ -122,11 +132,12 @@ def test_docs_curl_examples_work_as_written(server):
 
 
 def test_metrics_port_serves_the_same_registry(server):
-    url, metrics_port = server
+    url, metrics_port, _ = server
     httpx.post(f"{url}/embed", json={"inputs": "count me"}, timeout=60)
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
     assert 'yoso_requests_total{route="/embed",status="200"}' in text
-    assert 'backend="cpp"' in text or 'backend="torch"' in text
+    info = httpx.get(f"{url}/info", timeout=10).json()
+    assert f'backend="{info["backend"]["backend"]}"' in text and f'runtime="{info["runtime"]}"' in text
 
 
 def test_sigterm_drains_accepted_requests_refuses_new_ones_and_exits_0():
