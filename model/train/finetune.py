@@ -59,11 +59,12 @@ class Classifier(nn.Module):
         self.backbone, self.head = backbone, head
         self.multi_label, self.hashes = multi_label, hashes
 
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, hashes: int | None = None) -> torch.Tensor:
+        """(B, num_labels) at ``hashes`` (None: the training count; a softmax backbone ignores it)."""
         if isinstance(self.backbone, BertTeacher):
             hidden = self.backbone(input_ids, attention_mask)
         else:
-            hidden = self.backbone(input_ids, attention_mask, hashes=self.hashes)
+            hidden = self.backbone(input_ids, attention_mask, hashes=self.hashes if hashes is None else hashes)
         return self.head(hidden)  # (B, num_labels)
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
@@ -100,15 +101,13 @@ def build(args: argparse.Namespace, labels: list[str], multi: bool, device: torc
 def score(clf: Classifier, ids, targets: torch.Tensor, *, multi: bool, num_labels: int, pad_id: int,
           device: torch.device, batch_size: int, hashes: int | None) -> dict[str, float]:
     """Metrics of ``clf`` on ``ids`` with ``hashes`` (None: the training count) in eval mode."""
-    was, trained_with = clf.training, clf.hashes
+    was = clf.training
     clf.eval()
-    clf.hashes = trained_with if hashes is None else hashes
     try:
-        logits, _ = embed_all(clf.logits, ids, pad_id=pad_id, batch_size=batch_size, device=device,
-                              desc="validation")
+        logits, _ = embed_all(lambda x, mask: clf.logits(x, mask, hashes), ids, pad_id=pad_id,
+                              batch_size=batch_size, device=device, desc="validation")
     finally:
         clf.train(was)
-        clf.hashes = trained_with
     loss = (F.binary_cross_entropy_with_logits(logits, targets) if multi else F.cross_entropy(logits, targets)).item()
     metrics = multi_label_metrics(logits, targets) if multi else single_label_metrics(logits, targets, num_labels)
     return {"loss": loss, **metrics}
