@@ -21,9 +21,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+# appended, not prepended: bench/onnx.py must not shadow the onnx package (PYTHONSAFEPATH keeps bench/ off the path)
+sys.path.append(str(Path(__file__).resolve().parent))
+from _sections import write_section  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 PLOT = ROOT / "docs" / "img" / "model_forward.png"
-DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Model forward"
 # LSH with the default 32 hashes at every length; exact YOSO-E (O(N²)) where it stays affordable.
 EXACT_MAX_N = 4096
@@ -104,19 +107,6 @@ def plot(rows: list[dict]) -> None:
     fig.savefig(PLOT, dpi=110)
 
 
-def write_section(body: str) -> None:
-    """Replace (or append) our section of docs/benchmarks.md, leaving other sections alone."""
-    text = DOC.read_text() if DOC.is_file() else "# Benchmarks\n"
-    section = f"{SECTION}\n\n{body.strip()}\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("" if nxt == -1 else "\n" + text[nxt + 1:])
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    DOC.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 4096, 16384])
@@ -139,7 +129,7 @@ def main() -> None:
     print(md)
     plot(rows)
     if args.write_docs:
-        write_section(
+        write_section(SECTION,
             f"One forward of the default-size model (all-MiniLM-L6-v2 converted to YOSO: 6 layers, 384 hidden, "
             f"12 heads, τ = 8), batch 1, each point in a fresh process (`bench/model.py`). Machine: {machine()}.\n"
             f"The feed-forward block runs in chunks of 1024 positions above 4096 tokens. "

@@ -26,9 +26,12 @@ from pathlib import Path
 
 import torch
 
+# appended, not prepended: bench/onnx.py must not shadow the onnx package (PYTHONSAFEPATH keeps bench/ off the path)
+sys.path.append(str(Path(__file__).resolve().parent))
+from _sections import write_section  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 PLOT = ROOT / "docs" / "img" / "onnx_vs_torch.png"
-DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## ONNX Runtime vs torch"
 
 
@@ -134,19 +137,6 @@ def default_runtime_note(rows: list[dict]) -> str:
             "runtime loses less to other jobs than torch's two threads, so on a shared CPU measure before choosing.")
 
 
-def write_section(body: str) -> None:
-    """Replace (or append) our section of docs/benchmarks.md, leaving other sections alone."""
-    text = DOC.read_text() if DOC.is_file() else "# Benchmarks\n"
-    section = f"{SECTION}\n\n{body.strip()}\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("" if nxt == -1 else "\n" + text[nxt + 1:])
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    DOC.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 4096])
@@ -173,7 +163,7 @@ def main() -> None:
     print(default_runtime_note(rows))
     plot(rows)
     if args.write_docs:
-        write_section(
+        write_section(SECTION,
             f"The default model (the bundled yoso-minilm-l6-4096: 6 layers, 384 hidden, 12 heads, 32 hashes of "
             f"8 bits, Gaussian projections) in PyTorch and exported to ONNX, run side by side in one process (`bench/onnx.py`). "
             f"Machine: {machine(args.threads, loads)}. Latency: one document of N tokens; docs/s: a batch of "
