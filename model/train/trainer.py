@@ -46,6 +46,8 @@ class TrainOptions:
     log_every: int = 10
     save_every: int = 200
     max_minutes: float = 0.0  # 0 = no time limit; else stop (and save) after this long
+    # (name suffix, factor): parameters whose name ends with the suffix train at lr × factor
+    lr_scales: tuple[tuple[str, float], ...] = ()
 
     def validate(self) -> None:
         for name in ("epochs", "batch_size", "grad_accum", "log_every", "save_every"):
@@ -236,12 +238,19 @@ class Trainer:
 
 
 def _adamw(module: nn.Module, o: TrainOptions) -> torch.optim.Optimizer:
-    """AdamW without weight decay on biases and LayerNorm weights (BERT's recipe)."""
-    decay, plain = [], []
+    """AdamW without weight decay on biases and LayerNorm weights (BERT's recipe); parameters
+    matched by ``o.lr_scales`` get their own group at the scaled learning rate."""
+    groups: dict[tuple[bool, float], list] = {}
     for name, p in module.named_parameters():
         if p.requires_grad:
-            (plain if p.ndim < 2 or "LayerNorm" in name or "norm" in name.lower() else decay).append(p)
-    if not decay and not plain:
+            plain = p.ndim < 2 or "LayerNorm" in name or "norm" in name.lower()
+            scale = next((f for suffix, f in o.lr_scales if name.endswith(suffix)), 1.0)
+            groups.setdefault((not plain, scale), []).append(p)
+    if not groups:
         raise ValueError("the module has no trainable parameters")
-    return torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                              {"params": plain, "weight_decay": 0.0}], lr=o.lr)
+    # the two BERT groups always exist (in this order) so that optimizer checkpoints keep their shape
+    for key in ((True, 1.0), (False, 1.0)):
+        groups.setdefault(key, [])
+    order = sorted(groups, key=lambda k: (k[1] != 1.0, not k[0], k[1]))
+    return torch.optim.AdamW([{"params": groups[k], "weight_decay": o.weight_decay if k[0] else 0.0,
+                               "lr": o.lr * k[1]} for k in order], lr=o.lr)

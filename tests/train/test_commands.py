@@ -12,8 +12,10 @@ import torch.nn.functional as F
 from yoso_serve.model import load_pretrained, save_pretrained
 from yoso_serve.model.train.cli import main
 from yoso_serve.model.train.data import split_train_val
+from yoso_serve.model.train.distill import add_conv, layer_loss, teacher_targets
 from yoso_serve.model.train.mlm import mask_tokens
 from yoso_serve.model.train.runtime import autocast_dtype
+from yoso_serve.model.train.trainer import TrainOptions, _adamw
 from yoso_serve.model.train.teacher import BertTeacher
 
 CPU = ["--device", "cpu", "--seed", "0"]
@@ -135,6 +137,91 @@ def test_distill_hash_family_is_written_to_the_student(tiny_bert, tiny_yoso, mix
                  "--out", str(out), "--max-length", "64", "--train-hashes", "8", "--max-steps", "1",
                  "--batch-size", "4", "--hash-family", "gaussian", *CPU]) == 0
     assert not load_pretrained(out / "model").config.use_fast_hash
+
+
+def test_conv_window_adds_a_yoso_c_conv_that_starts_at_zero_and_trains(tiny_bert, tiny_yoso, mixed_texts, tmp_path):
+    model = load_pretrained(tiny_yoso)
+    ids = torch.tensor([model.tokenizer.encode(["a short text about modules"])[0]])
+    before = model.last_hidden(ids, hashes=0)
+    add_conv(model, 3)
+    assert model.config.conv_window == 3
+    torch.testing.assert_close(model.last_hidden(ids, hashes=0), before, atol=0, rtol=0)
+    add_conv(model, 3)  # same width: nothing to do
+    with pytest.raises(ValueError, match="already has conv_window 3"):
+        add_conv(model, 5)
+
+    out = tmp_path / "conv"
+    assert main(["distill", "--teacher", str(tiny_bert), "--data", str(mixed_texts), "--student", str(tiny_yoso),
+                 "--out", str(out), "--max-length", "64", "--train-hashes", "0", "--max-steps", "3",
+                 "--batch-size", "4", "--lr", "1e-2", "--warmup", "0", "--conv-window", "3", *CPU]) == 0
+    saved = load_pretrained(out / "model")  # strict load: the conv weights are in the checkpoint
+    assert saved.config.conv_window == 3
+    convs = [m.conv.weight for m in saved.modules() if getattr(m, "conv", None) is not None]
+    assert len(convs) == saved.config.num_hidden_layers and all(w.abs().sum() > 0 for w in convs)
+
+
+def test_lr_scales_give_matched_parameters_their_own_learning_rate(tiny_yoso):
+    model = load_pretrained(tiny_yoso)
+    add_conv(model, 3)
+    opt = _adamw(model, TrainOptions(lr=1e-3, weight_decay=0.1, lr_scales=(("attention.self.conv.weight", 40.0),)))
+    convs = {id(m.conv.weight) for m in model.modules() if getattr(m, "conv", None) is not None}
+    (decay, plain, scaled) = opt.param_groups
+    assert (decay["lr"], decay["weight_decay"], plain["lr"], plain["weight_decay"]) == (1e-3, 0.1, 1e-3, 0.0)
+    assert scaled["lr"] == pytest.approx(0.04) and scaled["weight_decay"] == 0.1
+    assert {id(p) for p in scaled["params"]} == convs and not convs & {id(p) for p in decay["params"]}
+    assert len(_adamw(model, TrainOptions()).param_groups) == 2  # no scales: BERT's two groups
+
+
+def test_conv_lr_scale_must_be_positive(tiny_bert, tiny_yoso, mixed_texts, tmp_path, capsys):
+    assert main(["distill", "--teacher", str(tiny_bert), "--data", str(mixed_texts), "--student", str(tiny_yoso),
+                 "--out", str(tmp_path / "x"), "--conv-window", "3", "--conv-lr-scale", "0", *CPU]) == 2
+    assert "--conv-lr-scale must be > 0" in capsys.readouterr().err
+
+
+def test_teacher_layer_targets_are_each_layers_output_on_single_window_rows(tiny_bert, tiny_yoso, mixed_texts):
+    teacher = BertTeacher.from_dir(tiny_bert)
+    tok = load_pretrained(tiny_yoso).tokenizer
+    texts = [json.loads(line)["text"] for line in mixed_texts.read_text().splitlines()[:-1]]
+    short, long = texts[0], texts[-1]
+    rows = tok.encode([short, long])
+    assert len(rows[0]) <= teacher.max_positions < len(rows[1])
+    n = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (n - len(r)) for r in rows])
+    mask = (torch.arange(n)[None] < torch.tensor([len(r) for r in rows])[:, None]).long()
+    cls_id, sep_id = tok.wrap([])
+    got = teacher_targets(teacher, ids, mask, cls_id=cls_id, sep_id=sep_id, window=0, stride=0, layers=True)
+    layers = teacher.config["num_hidden_layers"]
+    assert got["t_layers"].shape == (layers - 1, *ids.shape, teacher.config["hidden_size"])
+    assert got["t_single"].tolist() == [True, False]
+    assert not got["t_layers"][:, 1].any()
+    m = len(rows[0])
+    full = list(teacher.encoder.layer)
+    for j in range(layers - 1):  # oracle: the teacher cut after layer j
+        teacher.encoder.layer = torch.nn.ModuleList(full[:j + 1])
+        torch.testing.assert_close(got["t_layers"][j, :1, :m], teacher(ids[:1, :m]), atol=1e-5, rtol=1e-5)
+    teacher.encoder.layer = torch.nn.ModuleList(full)
+    assert not teacher.encoder.layer[0]._forward_hooks  # the taps are removed again
+
+
+def test_layer_loss_averages_layers_over_the_chosen_rows():
+    s = [torch.zeros(2, 3, 4), torch.ones(2, 3, 4)]
+    t = [torch.ones(2, 3, 4), torch.ones(2, 3, 4)]
+    t[1][1] = 5.0  # row 1 differs a lot, but is not a chosen row
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert layer_loss(s, t, mask, torch.tensor([True, False])).item() == pytest.approx(0.5)
+    assert layer_loss(s, t, mask, torch.tensor([False, False])).item() == 0.0
+    with pytest.raises(ValueError, match="taps 1 layers"):
+        layer_loss(s[:1], t, mask, torch.tensor([True, True]))
+
+
+def test_distill_with_layer_targets_lowers_the_layer_error(tiny_bert, tiny_yoso, mixed_texts, tmp_path):
+    out = tmp_path / "layers"
+    assert main(["distill", "--teacher", str(tiny_bert), "--data", str(mixed_texts), "--student", str(tiny_yoso),
+                 "--out", str(out), "--max-length", "128", "--train-hashes", "0", "--epochs", "3",
+                 "--batch-size", "4", "--lr", "2e-3", "--warmup", "0", "--log-every", "1", "--w-layers", "1",
+                 *CPU]) == 0
+    errors = [e["layers_mse"] for e in events(out, "train")]
+    assert len(errors) >= 12 and sum(errors[-4:]) < 0.8 * sum(errors[:4])
 
 
 def test_prepare_model_sets_the_training_only_knobs(tiny_yoso):
