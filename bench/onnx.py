@@ -163,9 +163,12 @@ def main() -> None:
     print(default_runtime_note(rows))
     plot(rows)
     if args.write_docs:
+        c = torch_model.config
+        conv = f", a YOSO-C value convolution of width {c.conv_window}" if c.conv_window else ""
         write_section(SECTION,
-            f"The default model (the bundled yoso-minilm-l6-4096: 6 layers, 384 hidden, 12 heads, 32 hashes of "
-            f"8 bits, Gaussian projections) in PyTorch and exported to ONNX, run side by side in one process (`bench/onnx.py`). "
+            f"The default model (the bundled yoso-minilm-l6-4096: {c.num_hidden_layers} layers, {c.hidden_size} "
+            f"hidden, {c.num_attention_heads} heads, {c.num_hash} hashes of {c.hash_code_len} bits, "
+            f"{'fast-rotation' if c.use_fast_hash else 'Gaussian'} projections{conv}) in PyTorch and exported to ONNX, run side by side in one process (`bench/onnx.py`). "
             f"Machine: {machine(args.threads, loads)}. Latency: one document of N tokens; docs/s: a batch of "
             f"{args.batch_tokens} // N documents; each figure is the fastest of {args.repeats} runs.\n\n"
             f"{md}\n\n{verdict(rows)}\n\n{default_runtime_note(rows)}\n\n"
