@@ -82,6 +82,11 @@ class YosoEmbeddings(nn.Module):
         return self.dropout(self.LayerNorm(x))
 
 
+def yoso_conv(heads: int, window: int) -> nn.Conv2d:
+    """YOSO-C: depthwise along the sequence, one (window × 1) kernel per head (transformers' shape and key)."""
+    return nn.Conv2d(heads, heads, kernel_size=(window, 1), padding=(window // 2, 0), bias=False, groups=heads)
+
+
 class YosoSelfAttention(nn.Module):
     """Q/K/V projections, the attention core (YOSO: with N-YOSO's norm), optional YOSO-C conv."""
 
@@ -95,12 +100,7 @@ class YosoSelfAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         # parameter-free for yoso, so the state-dict keys stay transformers'
         self.core = build_attention(config, layer_seed(config.hash_seed, layer_index))
-        if config.conv_window is not None:
-            # Depthwise along the sequence, one (window × 1) kernel per head (transformers' shape and key).
-            self.conv = nn.Conv2d(self.heads, self.heads, kernel_size=(config.conv_window, 1),
-                                  padding=(config.conv_window // 2, 0), bias=False, groups=self.heads)
-        else:
-            self.conv = None
+        self.conv = yoso_conv(self.heads, config.conv_window) if config.conv_window is not None else None
 
     @property
     def seed(self) -> int:

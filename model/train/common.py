@@ -56,7 +56,7 @@ def train_options(args: argparse.Namespace) -> TrainOptions:
                         grad_accum=args.grad_accum, lr=args.lr, weight_decay=args.weight_decay,
                         warmup=args.warmup, schedule=args.schedule, max_grad_norm=args.max_grad_norm, precision=args.precision,
                         seed=args.seed, log_every=args.log_every, save_every=args.save_every,
-                        max_minutes=args.max_minutes, lr_scales=tuple(getattr(args, "lr_scales", ())))
+                        max_minutes=args.max_minutes)
 
 
 @dataclass

@@ -135,9 +135,9 @@ CONV_WINDOW = 33  # YOSO-C as in the paper's LRA runs (Nyströmformer's 33-wide 
 
 def finished(run: Path) -> bool:
     """Whether the training run in ``run`` last stopped because its schedule was done."""
-    path = run / "metrics.jsonl"
-    stops = [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == "stop"] \
-        if path.is_file() else []
+    from .runtime import read_events  # torch: only once a stage runs
+
+    stops = read_events(run, "stop")
     return bool(stops) and stops[-1].get("reason") == "done"
 
 

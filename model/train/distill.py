@@ -10,6 +10,7 @@ teacher's positions get their targets from the teacher run in overlapping window
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from yoso_serve.model import EncoderModel, convert_bert_to_yoso, load_pretrained, save_pretrained
-from yoso_serve.model.encoder import YosoSelfAttention, layer_seed
+from yoso_serve.model.encoder import YosoSelfAttention, layer_seed, yoso_conv
 
 from .common import Session, add_common_arguments, prepare_model, read_texts, start, train_options
 from .data import TokenizedDataset, pad_batch
@@ -157,9 +158,7 @@ def teacher_targets(teacher: BertTeacher, input_ids: torch.Tensor, mask: torch.T
         for j, t in enumerate(taps.outputs):
             per_layer[j, short, :t.shape[1]] = t
         targets["t_layers"] = per_layer * mask[..., None]
-        single = torch.zeros(len(lengths), dtype=torch.bool, device=input_ids.device)
-        single[short] = True
-        targets["t_single"] = single
+        targets["t_single"] = mask.sum(1) <= limit
         taps.remove()
     for i, n in enumerate(lengths):
         if n > limit:
@@ -188,8 +187,7 @@ def add_conv(student: EncoderModel, window: int) -> None:
     for m in student.modules():
         if isinstance(m, YosoSelfAttention):
             ref = m.query.weight
-            m.conv = nn.Conv2d(m.heads, m.heads, kernel_size=(window, 1), padding=(window // 2, 0), bias=False,
-                               groups=m.heads).to(device=ref.device, dtype=ref.dtype)
+            m.conv = yoso_conv(m.heads, window).to(device=ref.device, dtype=ref.dtype)
             nn.init.zeros_(m.conv.weight)
 
 
@@ -207,7 +205,6 @@ def init_student(args: argparse.Namespace, session: Session) -> Path:
 def run(args: argparse.Namespace) -> int:
     if args.conv_lr_scale <= 0:
         raise ValueError(f"--conv-lr-scale must be > 0, got {args.conv_lr_scale}")
-    args.lr_scales = (("attention.self.conv.weight", args.conv_lr_scale),) if args.conv_lr_scale != 1.0 else ()
     session = start(args, "distill")
     train_hashes = parse_hashes(args.train_hashes)
     student = load_pretrained(init_student(args, session), device=session.device)
@@ -254,8 +251,9 @@ def run(args: argparse.Namespace) -> int:
             set_hash_seeds(student, student.config.hash_seed)
             save_pretrained(student, session.run.path / "model", dtype=torch.float16 if args.save_fp16 else None)
 
+    options = dataclasses.replace(train_options(args), lr_scales=(("attention.self.conv.weight", args.conv_lr_scale),))
     trainer = Trainer(module, TokenizedDataset(ids), lambda items: pad_batch(items, tok.pad_id), prepare,
-                      options=train_options(args), run=session.run, dist_=session.dist, device=session.device)
+                      options=options, run=session.run, dist_=session.dist, device=session.device)
     trainer.on_save = export
     if args.resume:
         trainer.resume()

@@ -17,15 +17,9 @@ from pathlib import Path
 from yoso_serve.model import load_pretrained
 
 from .default_model import distill_argv, final_model, refine_argv
+from .runtime import read_events
 
 TARGETS = {"cos_exact": 0.99, "cos_32": 0.98, "spearman": 0.95}
-
-
-def _events(run: Path, kind: str) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == kind]
 
 
 def _results(run: Path) -> dict | None:
@@ -33,11 +27,9 @@ def _results(run: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def training_time(run: Path) -> tuple[float, int]:
-    """(wall-clock minutes, sessions) of a run that may have been stopped and resumed: the
-    sum over sessions (split at "start" / "resume" events) of first-to-last event time."""
-    path = run / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+def training_time(rows: list[dict]) -> tuple[float, int]:
+    """(wall-clock minutes, sessions) of a run's events when it may have been stopped and resumed:
+    the sum over sessions (split at "start" / "resume" events) of first-to-last event time."""
     sessions: list[list[float]] = []
     for row in rows:
         if not sessions or row["event"] in ("start", "resume") and sessions[-1][-1] != row["time"]:
@@ -92,8 +84,9 @@ def _long_table(student: dict | None, converted: dict | None) -> list[str]:
 def _stage(run: Path) -> tuple[dict, int, float, int]:
     """(config, optimizer steps, wall-clock minutes, sessions) of one distillation stage."""
     config = json.loads((run / "config.json").read_text())
-    stops = _events(run, "stop")
-    minutes, sessions = training_time(run)
+    rows = read_events(run)
+    stops = [r for r in rows if r["event"] == "stop"]
+    minutes, sessions = training_time(rows)
     return config, (stops[-1]["step"] if stops else 0), minutes, sessions
 
 

@@ -133,6 +133,14 @@ def _checkpointed(forward):
     return run
 
 
+def read_events(run: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The events ``RunDir.log`` wrote to ``run``/metrics.jsonl, in order (only ``kind`` if given;
+    none when the run has no metrics yet)."""
+    path = Path(run) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
+    return [r for r in rows if kind is None or r["event"] == kind]
+
+
 class RunDir:
     """A run directory: config, metrics, data report and training-state checkpoints."""
 

@@ -14,16 +14,11 @@ from yoso_serve.model.train.cli import main
 from yoso_serve.model.train.data import split_train_val
 from yoso_serve.model.train.distill import add_conv, layer_loss, teacher_targets
 from yoso_serve.model.train.mlm import mask_tokens
-from yoso_serve.model.train.runtime import autocast_dtype
+from yoso_serve.model.train.runtime import autocast_dtype, read_events as events
 from yoso_serve.model.train.trainer import TrainOptions, _adamw
 from yoso_serve.model.train.teacher import BertTeacher
 
 CPU = ["--device", "cpu", "--seed", "0"]
-
-
-def events(run: Path, kind: str | None = None) -> list[dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if kind is None or r["event"] == kind]
 
 
 @pytest.fixture

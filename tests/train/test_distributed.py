@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from yoso_serve.model import load_pretrained
-from yoso_serve.model.train.runtime import enable_gradient_checkpointing
+from yoso_serve.model.train.runtime import enable_gradient_checkpointing, read_events
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
@@ -36,8 +36,7 @@ def test_two_process_gloo_run_ends_with_identical_weights(tiny_bert, tiny_yoso, 
     assert moved > 10  # the ranks agree on weights that really trained
     config = json.loads((out / "config.json").read_text())
     assert config["world_size"] == 2
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["event"] == "train"] == [1, 2, 3]  # rank 0 alone writes
+    assert [r["step"] for r in read_events(out, "train")] == [1, 2, 3]  # rank 0 alone writes
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_yoso):
