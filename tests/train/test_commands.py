@@ -171,6 +171,9 @@ def test_conv_lr_scale_must_be_positive(tiny_bert, tiny_yoso, mixed_texts, tmp_p
     assert main(["distill", "--teacher", str(tiny_bert), "--data", str(mixed_texts), "--student", str(tiny_yoso),
                  "--out", str(tmp_path / "x"), "--conv-window", "3", "--conv-lr-scale", "0", *CPU]) == 2
     assert "--conv-lr-scale must be > 0" in capsys.readouterr().err
+    assert main(["distill", "--teacher", str(tiny_bert), "--data", str(mixed_texts), "--student", str(tiny_yoso),
+                 "--out", str(tmp_path / "y"), "--conv-window", "4", *CPU]) == 2
+    assert "conv_window must be an odd positive int" in capsys.readouterr().err
 
 
 def test_teacher_layer_targets_are_each_layers_output_on_single_window_rows(tiny_bert, tiny_yoso, mixed_texts):
