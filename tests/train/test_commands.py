@@ -134,6 +134,36 @@ def test_distill_hash_family_is_written_to_the_student(tiny_bert, tiny_yoso, mix
     assert not load_pretrained(out / "model").config.use_fast_hash
 
 
+def test_fixed_hash_seed_trains_with_the_served_projections_only(tiny_bert, tiny_yoso, mixed_texts, tmp_path,
+                                                                 monkeypatch):
+    """--fixed-hash-seed: LSH steps hash with the config's per-layer seeds (what serving uses); by
+    default every step draws fresh ones. Either way the saved student keeps the config's seed."""
+    import yoso_serve.model.attention.yoso as core_module
+    from yoso_serve.model.encoder import layer_seed
+
+    config = load_pretrained(tiny_yoso).config
+    served = {layer_seed(config.hash_seed, i) for i in range(config.num_hidden_layers)}
+    op, seen = core_module.yoso_attention, []
+
+    def spy(*args, **kwargs):
+        if kwargs["num_hashes"]:
+            seen.append(kwargs["seed"])
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(core_module, "yoso_attention", spy)
+    for flag, name in ((["--fixed-hash-seed"], "fixed"), ([], "fresh")):
+        seen.clear()
+        assert main(["distill", "--teacher", str(tiny_bert), "--data", str(mixed_texts), "--student",
+                     str(tiny_yoso), "--out", str(tmp_path / name), "--max-length", "64", "--train-hashes", "8",
+                     "--max-steps", "3", "--batch-size", "4", *flag, *CPU]) == 0
+        assert len(seen) >= 3 * config.num_hidden_layers
+        if flag:
+            assert set(seen) == served
+        else:
+            assert not set(seen) & served and len(set(seen)) >= 3 * config.num_hidden_layers
+        assert load_pretrained(tmp_path / name / "model").config.hash_seed == config.hash_seed
+
+
 def test_conv_window_adds_a_yoso_c_conv_that_starts_at_zero_and_trains(tiny_bert, tiny_yoso, mixed_texts, tmp_path):
     model = load_pretrained(tiny_yoso)
     ids = torch.tensor([model.tokenizer.encode(["a short text about modules"])[0]])
