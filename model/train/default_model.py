@@ -117,16 +117,24 @@ def _cli(argv: list[str]) -> None:
 DISTILL_STEPS = 1100  # ≈ 2.2 epochs of the passages; ≈ 80 min on 2 CPU cores
 
 
-def distill_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> list[str]:
-    data = work / "data"
-    argv = ["distill", "--teacher", str(teacher), "--data", str(data / "train_passages.jsonl"),
-            "--out", str(work / "distill"), "--max-length", "256", "--train-hashes", "0,32",
+def _stage_argv(work: Path, teacher: Path, minutes: float, resume: bool, *, stage: str, student: list[str],
+                model: list[str], schedule: list[str], seed: int) -> list[str]:
+    """The ``yoso-train distill`` command of one distillation stage: the flags every stage shares
+    (data, lengths, hash counts and family, gradient, dropout, batch, logging) around its own."""
+    argv = ["distill", "--teacher", str(teacher), "--data", str(work / "data" / "train_passages.jsonl"), *student,
+            "--out", str(work / stage), "--max-length", "256", "--train-hashes", "0,32",
             "--serve-hashes", "32", "--hash-family", "gaussian", "--exact-backward", "true", "--dropout", "0",
-            "--epochs", "3", "--max-steps", str(DISTILL_STEPS), "--batch-size", "16", "--lr", "1.5e-4",
-            "--warmup", "0.03", "--save-every", "50", "--log-every", "10", "--seed", "0", "--save-fp16"]
+            *model, *schedule, "--save-every", "50", "--log-every", "10", "--seed", str(seed), "--save-fp16"]
     if minutes:
         argv += ["--max-minutes", str(minutes)]
     return argv + (["--resume"] if resume else [])
+
+
+def distill_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> list[str]:
+    """Stage one: the converted teacher."""
+    return _stage_argv(work, teacher, minutes, resume, stage="distill", student=[], model=[],
+                       schedule=["--epochs", "3", "--max-steps", str(DISTILL_STEPS), "--batch-size", "16",
+                                 "--lr", "1.5e-4", "--warmup", "0.03"], seed=0)
 
 
 REFINE_STEPS = 800  # ≈ 55 min on 2 CPU cores
@@ -149,17 +157,15 @@ def refine_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> list
     """Stage two: the distilled student plus a zero-initialised YOSO-C convolution, trained at a low
     learning rate for the rest and 40× that for the new kernels (AdamW moves a zero-initialised
     weight about lr per step: at 5e-5 they would stay near zero for the whole stage)."""
-    data = work / "data"
-    argv = ["distill", "--teacher", str(teacher), "--data", str(data / "train_passages.jsonl"),
-            "--student", str(work / "distill" / "model"), "--out", str(work / "refine"), "--max-length", "256",
-            "--train-hashes", "0,32", "--serve-hashes", "32", "--hash-family", "gaussian",
-            "--exact-backward", "true", "--dropout", "0", "--conv-window", str(CONV_WINDOW),
-            "--conv-lr-scale", "40", "--epochs", "1", "--max-steps", str(REFINE_STEPS), "--batch-size", "16",
-            "--lr", "5e-5", "--warmup", "0.05", "--save-every", "50", "--log-every", "10", "--seed", "1",
-            "--save-fp16"]
-    if minutes:
-        argv += ["--max-minutes", str(minutes)]
-    return argv + (["--resume"] if resume else [])
+    return _stage_argv(work, teacher, minutes, resume, stage="refine",
+                       student=["--student", str(work / "distill" / "model")],
+                       model=["--conv-window", str(CONV_WINDOW), "--conv-lr-scale", "40"],
+                       schedule=["--epochs", "1", "--max-steps", str(REFINE_STEPS), "--batch-size", "16",
+                                 "--lr", "5e-5", "--warmup", "0.05"], seed=1)
+
+
+# Distillation stages in pipeline order → the builder of each one's command.
+STAGES = {"distill": distill_argv, "refine": refine_argv}
 
 
 def eval_argv(work: Path, model: Path, teacher: Path, name: str) -> list[str]:
@@ -183,7 +189,7 @@ def finetune_argv(work: Path, model: Path, name: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="default_model", description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=("data", "distill", "refine", "eval", "eval-converted", "eval-student", "finetune",
+    p.add_argument("stage", choices=("data", *STAGES, "eval", "eval-converted", "eval-student", "finetune",
                                       "topics-teacher", "topics-student", "bundle", "all"))
     p.add_argument("--work", type=Path, default=Path("runs/default-model"))
     p.add_argument("--html-root", type=Path, default=DEFAULT_HTML_ROOT)
@@ -202,14 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         "topics-student": lambda: _cli(finetune_argv(work, final_model(work), "topics-student")),
     }
     groups = {"eval": ["eval-converted", "eval-student"], "finetune": ["topics-teacher", "topics-student"]}
-    order = ["data", "distill", "refine", "eval", "finetune", "bundle"] if args.stage == "all" else [args.stage]
+    order = ["data", *STAGES, "eval", "finetune", "bundle"] if args.stage == "all" else [args.stage]
     for stage in (s for group in order for s in groups.get(group, [group])):
         if stage == "data":
             print(json.dumps(prepare_data(work / "data", args.html_root, TextTokenizer.from_dir(teacher))))
-        elif stage in ("distill", "refine"):
+        elif stage in STAGES:
             resume = (work / stage / "checkpoints" / "last.pt").is_file()
-            build = distill_argv if stage == "distill" else refine_argv
-            _cli(build(work, teacher, args.minutes, resume))
+            _cli(STAGES[stage](work, teacher, args.minutes, resume))
             if not finished(work / stage):
                 print(f"{stage} stopped before the end of its schedule; run the same command again to resume it",
                       file=sys.stderr)
