@@ -76,19 +76,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+READY_TIMEOUT_S = 600.0
+
+
 def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen([str(SCRIPT), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
                              *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(900):
+    # /ready answers 503 while the model loads (the first start also builds the C++ extension, a
+    # minute or two): poll until 200, the process exits, or READY_TIMEOUT_S passes. Killing a
+    # server mid-build used to leave torch's build lock behind (kernels/_build.py now clears it).
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
         try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+            status = httpx.get(f"{url}/ready", timeout=1).status_code
+            if status == 200:
                 return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not become ready")
+            last = f"/ready answered {status}"
+        except httpx.TransportError as exc:
+            last = type(exc).__name__
+        time.sleep(0.2)
+    stop_server(proc)
+    raise RuntimeError(f"server not ready after {READY_TIMEOUT_S:g} s ({last})")
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -11,21 +11,35 @@ callers fall back to the pure-PyTorch ops, and :func:`backend_info` says so and 
 ``YOSO_KERNEL_BACKEND`` picks the policy: ``auto`` (default: build, fall back to torch when
 the build fails), ``torch`` (never build: forced pure PyTorch) or ``cpp`` (build, and the
 reason says the choice was requested).
+
+Builds of one extension are serialised across processes by an OS file lock (``flock``) in its
+build directory, which the kernel drops when its holder dies. torch's own ``lock`` file is not
+dropped: a process killed mid-build leaves it behind and every later ``load`` waits on it
+forever. Holding the OS lock proves no other build of ours is running, so a ``lock`` file found
+then is stale and is removed (the reason says so). Waiting for another process's build gives up
+after ``YOSO_KERNEL_BUILD_TIMEOUT`` seconds (default 900) with the pure-PyTorch fallback and a
+reason that names the limit, instead of hanging.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-__all__ = ["BACKEND_ENV", "backend_info", "cpu_extension"]
+__all__ = ["BACKEND_ENV", "BUILD_TIMEOUT_ENV", "backend_info", "cpu_extension"]
 
 BACKEND_ENV = "YOSO_KERNEL_BACKEND"
+BUILD_TIMEOUT_ENV = "YOSO_KERNEL_BUILD_TIMEOUT"
+_DEFAULT_BUILD_TIMEOUT = 900.0
 _POLICIES = ("auto", "torch", "cpp")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # Two translation units: the torch-facing binding and the torch-free kernels (the header they
@@ -48,18 +62,61 @@ def _policy() -> str:
     return value
 
 
-def _load(name: str, sources: list[Path], what: str, **flags) -> tuple[ModuleType | None, str]:
-    """Build (or take from torch's cache) one extension; (module, reason) — never raises."""
-    # Imported here, not at module level: cpp_extension pulls in setuptools and probes compilers.
-    from torch.utils.cpp_extension import load
-
+def _build_timeout() -> float:
+    raw = os.environ.get(BUILD_TIMEOUT_ENV, "").strip()
     try:
-        module = load(name=name, sources=[str(p) for p in sources], extra_ldflags=["-fopenmp"], verbose=False,
-                      **flags)
+        value = float(raw) if raw else _DEFAULT_BUILD_TIMEOUT
+    except ValueError:
+        raise ValueError(f"{BUILD_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{BUILD_TIMEOUT_ENV}={raw!r} must be > 0 seconds")
+    return value
+
+
+@contextmanager
+def _exclusive_build(build_dir: Path, timeout: float) -> Iterator[bool]:
+    """Hold the OS lock on ``build_dir`` (waiting at most ``timeout`` s); yields whether a stale
+    torch ``lock`` file was found and removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "yoso_serve.flock", "a") as guard:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"another process has been building in {build_dir} for longer than "
+                                       f"{BUILD_TIMEOUT_ENV}={timeout:g} s") from None
+                time.sleep(0.25)
+        try:
+            stale = build_dir / "lock"
+            found = stale.exists()
+            if found:
+                logger.warning("removing %s: a build lock left by a process that died mid-build", stale)
+                stale.unlink(missing_ok=True)
+            yield found
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
+def _load(name: str, sources: list[Path], what: str, **flags) -> tuple[ModuleType | None, str]:
+    """Build (or take from torch's cache) one extension; (module, reason). Raises only for a bad
+    ``YOSO_KERNEL_BUILD_TIMEOUT``."""
+    # Imported here, not at module level: cpp_extension pulls in setuptools and probes compilers.
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    timeout = _build_timeout()  # a bad setting raises, like a bad policy
+    try:
+        build_dir = Path(_get_build_directory(name, False))
+        with _exclusive_build(build_dir, timeout) as removed_stale:
+            module = load(name=name, sources=[str(p) for p in sources], extra_ldflags=["-fopenmp"],
+                          build_directory=str(build_dir), verbose=False, **flags)
     except Exception as exc:  # any compiler/linker/import failure means "no extension", with the reason
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return None, f"{what} build failed ({type(exc).__name__}: {first_line[:300]})"
-    return module, f"{what} built and loaded"
+    note = " (after removing a stale build lock left by a killed process)" if removed_stale else ""
+    return module, f"{what} built and loaded{note}"
 
 
 def _build() -> tuple[ModuleType | None, str]:
@@ -71,7 +128,8 @@ def cpu_extension() -> ModuleType | None:
 
     Built on the first call (thread-safe, once per process); later calls return the cached
     outcome. Never raises for a build failure (the reason is logged and kept for
-    :func:`backend_info`); raises ValueError only for an unknown ``YOSO_KERNEL_BACKEND``.
+    :func:`backend_info`); raises ValueError only for an unknown ``YOSO_KERNEL_BACKEND`` or a bad
+    ``YOSO_KERNEL_BUILD_TIMEOUT``.
     """
     global _resolved, _module, _reason
     if _resolved:
