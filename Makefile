@@ -47,5 +47,9 @@ bench: install-dev
 default-model: install-dev
 	$(PY) -m yoso_serve.model.train.default_model all --work runs/default-model $(ARGS)
 
+# hadolint on the Dockerfile with the project's rules (the suite runs the same check).
+lint: install-dev
+	$(VENV)/bin/hadolint --config .hadolint.yaml Dockerfile
+
 clean:
 	rm -rf $(VENV) build *.egg-info
