@@ -42,8 +42,9 @@ bench: install-dev
 	$(PY) bench/attention.py
 	$(PY) bench/model.py
 
-# Rebuilds the bundled default model (distillation from all-MiniLM-L6-v2 on the Python docs;
-# needs the Debian package python3.11-doc). Resumes from runs/default-model; ARGS="--minutes N" bounds it.
+# Rebuilds the bundled default model: distillation from all-MiniLM-L6-v2 on the Python docs, then
+# long-document training on Debian's documentation packages (docs/training.md lists them). Resumes
+# from runs/default-model; ARGS="--minutes N" bounds each training stage.
 default-model: install-dev
 	$(PY) -m yoso_serve.model.train.default_model all --work runs/default-model $(ARGS)
 

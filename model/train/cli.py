@@ -1,4 +1,4 @@
-"""``yoso-train {finetune, distill, mlm, eval, export-onnx}`` — one entry point, one module per command.
+"""``yoso-train {finetune, distill, longdoc, mlm, eval, export-onnx}`` — one entry point, one module per command.
 
 Multi-GPU / multi-node: start the same command under torchrun, e.g.
 ``torchrun --nproc_per_node 8 -m yoso_serve.model.train.cli distill ...`` (see docs/training.md).
@@ -10,12 +10,13 @@ import argparse
 import sys
 
 from .. import export
-from . import distill, evaluate, finetune, mlm
+from . import distill, evaluate, finetune, longdoc, mlm
 from .runtime import shutdown_distributed
 
 COMMANDS = {
     "finetune": (finetune, "a classification head on a YOSO checkpoint (single- or multi-label)"),
     "distill": (distill, "a BERT-family teacher into a YOSO student initialised by conversion"),
+    "longdoc": (longdoc, "contrastive long-document training: spans → whole documents, short pairs, distillation"),
     "mlm": (mlm, "masked-LM pretraining or continued pretraining from a checkpoint"),
     "eval": (evaluate, "agreement with a teacher, classification metrics, speed"),
     "export-onnx": (export, "a checkpoint to ONNX: model.onnx + config.json + tokenizer (docs/onnx.md)"),

@@ -7,13 +7,17 @@ Stages, each resumable and each writing under ``--work`` (default ``runs/default
     distill   all-MiniLM-L6-v2 → YOSO student (4096 positions), LSH attention in training
     refine    the student gains a YOSO-C value convolution (zero-initialised, so it starts as the
               distilled student) and distils further with it
-    eval      student and the plain converted model against the teacher on held-out text
+    longdoc-data  Debian documentation packages → long documents (longdocs.py); PostgreSQL's kept out
+    longdoc   contrastive long-document training of the refined student (spans → whole documents,
+              short pairs, distillation on short texts), a length curriculum up to 4096 tokens
+    eval      student and the plain converted model against the teacher on held-out text; deep and
+              short retrieval on held-out documents and on the source kept out
     finetune  topic classification (documentation area of a section): student and teacher
     bundle    fp16 copy + MODEL_CARD.md into model/bundled/, only if the student beats the
               plain converted model on held-out cosine at the served hash count
 
 ``python -m yoso_serve.model.train.default_model all`` runs every stage in order; the model
-that is evaluated and bundled is the refined one (``final_model``).
+that is evaluated and bundled is the long-document one (``final_model``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from .longdocs import prepare_corpus
 from .pydocs import DEFAULT_HTML_ROOT, is_heldout, iter_pages, topic_of, write_jsonl
 
 NAME = "yoso-minilm-l6-4096"
@@ -150,7 +155,7 @@ def finished(run: Path) -> bool:
 
 
 def final_model(work: Path) -> Path:
-    return work / "refine" / "model"
+    return work / "longdoc" / "model"
 
 
 def refine_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> list[str]:
@@ -164,8 +169,33 @@ def refine_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> list
                                  "--lr", "5e-5", "--warmup", "0.05"], seed=1)
 
 
-# Distillation stages in pipeline order → the builder of each one's command.
-STAGES = {"distill": distill_argv, "refine": refine_argv}
+LONGDOC_STEPS = 240  # ≈ 5–8 hours on 2 CPU cores, most of it in the 4096-token stage
+LONGDOC_CURRICULUM = "1024:0.35,2048:0.7,4096:1"
+
+
+def longdoc_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> list[str]:
+    """Stage three: contrastive long-document training of the refined student. Documents run at the
+    served 32 hashes with the served projections, spans and short texts exactly (what `auto` serves
+    them with)."""
+    argv = ["longdoc", "--model", str(work / "refine" / "model"), "--teacher", str(teacher),
+            "--data", str(work / "longdoc-data" / "train_docs.jsonl"), "--out", str(work / "longdoc"),
+            "--batch-size", "4", "--spans-per-doc", "4", "--short-pairs", "16", "--queue", "128",
+            "--curriculum", LONGDOC_CURRICULUM, "--doc-hashes", "32", "--query-hashes", "0", "--lr", "3e-5",
+            "--warmup", "0.05", "--max-steps", str(LONGDOC_STEPS), "--save-every", "10", "--log-every", "1",
+            "--seed", "0", "--save-fp16"]
+    if minutes:
+        argv += ["--max-minutes", str(minutes)]
+    return argv + (["--resume"] if resume else [])
+
+
+# Training stages in pipeline order → the builder of each one's command.
+STAGES = {"distill": distill_argv, "refine": refine_argv, "longdoc": longdoc_argv}
+
+
+def retrieval_argv(work: Path, model: Path, teacher: Path, name: str, docs: str) -> list[str]:
+    """Deep and short retrieval of ``model`` against the teacher on ``longdoc-data/{docs}_docs.jsonl``."""
+    return ["eval", "--model", str(model), "--teacher", str(teacher), "--retrieval-data",
+            str(work / "longdoc-data" / f"{docs}_docs.jsonl"), "--out", str(work / name), "--seed", "0"]
 
 
 def eval_argv(work: Path, model: Path, teacher: Path, name: str) -> list[str]:
@@ -187,9 +217,12 @@ def finetune_argv(work: Path, model: Path, name: str) -> list[str]:
             "--hashes", "0", "--eval-hashes", "32"]
 
 
+EVALS = ("eval-converted", "eval-student", "retrieval-transfer", "retrieval-heldout", "retrieval-refined")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="default_model", description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=("data", *STAGES, "eval", "eval-converted", "eval-student", "finetune",
+    p.add_argument("stage", choices=("data", "longdoc-data", *STAGES, "eval", *EVALS, "finetune",
                                       "topics-teacher", "topics-student", "bundle", "all"))
     p.add_argument("--work", type=Path, default=Path("runs/default-model"))
     p.add_argument("--html-root", type=Path, default=DEFAULT_HTML_ROOT)
@@ -204,14 +237,23 @@ def main(argv: list[str] | None = None) -> int:
     runs = {
         "eval-converted": lambda: _cli(eval_argv(work, work / "distill" / "init", teacher, "eval-converted")),
         "eval-student": lambda: _cli(eval_argv(work, final_model(work), teacher, "eval-student")),
+        "retrieval-transfer": lambda: _cli(retrieval_argv(work, final_model(work), teacher, "retrieval-transfer",
+                                                          "transfer")),
+        "retrieval-heldout": lambda: _cli(retrieval_argv(work, final_model(work), teacher, "retrieval-heldout",
+                                                         "heldout")),
+        "retrieval-refined": lambda: _cli(retrieval_argv(work, work / "refine" / "model", teacher,
+                                                         "retrieval-refined", "transfer")),
         "topics-teacher": lambda: _cli(finetune_argv(work, teacher, "topics-teacher")),
         "topics-student": lambda: _cli(finetune_argv(work, final_model(work), "topics-student")),
     }
-    groups = {"eval": ["eval-converted", "eval-student"], "finetune": ["topics-teacher", "topics-student"]}
-    order = ["data", *STAGES, "eval", "finetune", "bundle"] if args.stage == "all" else [args.stage]
+    groups = {"eval": list(EVALS), "finetune": ["topics-teacher", "topics-student"]}
+    order = ["data", "distill", "refine", "longdoc-data", "longdoc", "eval", "finetune", "bundle"] \
+        if args.stage == "all" else [args.stage]
     for stage in (s for group in order for s in groups.get(group, [group])):
         if stage == "data":
             print(json.dumps(prepare_data(work / "data", args.html_root, TextTokenizer.from_dir(teacher))))
+        elif stage == "longdoc-data":
+            print(json.dumps(prepare_corpus(work / "longdoc-data", TextTokenizer.from_dir(teacher))))
         elif stage in STAGES:
             resume = (work / stage / "checkpoints" / "last.pt").is_file()
             _cli(STAGES[stage](work, teacher, args.minutes, resume))

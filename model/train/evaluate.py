@@ -7,6 +7,10 @@
   teacher's windowed embedding (mean of its windowed token states), and seconds per
   document of each.
 * ``--labelled``: accuracy and F1 of the model's classification head.
+* ``--retrieval-data``: held-out documents (``longdocs.py`` rows): deep retrieval (a paragraph from a
+  document's second half → the document) for the student in one pass, the teacher truncated and the
+  teacher over averaged windows, with docs/s; and short retrieval (first sentence → rest of a
+  paragraph) for student and teacher (:mod:`.retrieval`).
 
 Results go to ``results.json`` and ``metrics.jsonl`` in ``--out`` and a markdown table on stdout.
 """
@@ -24,6 +28,7 @@ from tqdm.auto import tqdm
 
 from yoso_serve.model import EncoderModel, load_pretrained
 
+from . import retrieval
 from .common import read_texts, start
 from .data import label_targets, pad_batch
 from .distill import parse_hashes
@@ -39,6 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", type=Path, nargs="*", default=[], help="texts for embedding agreement")
     p.add_argument("--long-data", type=Path, nargs="*", default=[], help="long documents for windowed agreement")
     p.add_argument("--labelled", type=Path, nargs="*", default=[], help="JSONL/CSV with labels for the classifier")
+    p.add_argument("--retrieval-data", type=Path, nargs="*", default=[],
+                   help="document JSONL {doc, source, blocks, tokens} for deep and short retrieval")
+    p.add_argument("--retrieval-docs", type=int, default=300, help="documents in the deep-retrieval corpus")
+    p.add_argument("--retrieval-tokens", default="1200,4000", help="LO,HI token range of those documents")
+    p.add_argument("--retrieval-hashes", default="served",
+                   help="student hash count in retrieval: 'served' (the model's default) or an int (0 = exact)")
+    p.add_argument("--window", type=int, default=240, help="teacher window in tokens for windowed retrieval")
+    p.add_argument("--short-pairs", type=int, default=500, help="pairs in the short-retrieval task")
     p.add_argument("--hashes", default="0,8,16,32,64", help="hash counts to evaluate (0 = exact)")
     p.add_argument("--long-hashes", default="32", help="hash counts for --long-data")
     p.add_argument("--max-length", type=int, default=256)
@@ -131,6 +144,32 @@ def classification(model: EncoderModel, examples, ids: list[torch.Tensor], *, ba
     return {**metrics, "examples": len(keep), "unknown_label_rows": len(examples) - len(keep)}
 
 
+TABLES = ("agreement", "long_agreement", "deep_retrieval", "short_retrieval")
+
+
+def retrieval_results(args: argparse.Namespace, model: EncoderModel, teacher: BertTeacher,
+                      device: torch.device) -> dict:
+    """The deep- and short-retrieval tables of ``--retrieval-data`` (see :mod:`.retrieval`)."""
+    from .longdoc import read_documents
+
+    try:
+        lo, hi = (int(x) for x in args.retrieval_tokens.split(","))
+        hashes = None if args.retrieval_hashes == "served" else int(args.retrieval_hashes)
+    except ValueError:
+        raise ValueError(f"--retrieval-tokens must be LO,HI and --retrieval-hashes 'served' or an int, got "
+                         f"{args.retrieval_tokens!r}, {args.retrieval_hashes!r}") from None
+    if not 3 <= args.window <= teacher.max_positions:
+        raise ValueError(f"--window must be in 3..{teacher.max_positions}, got {args.window}")
+    rows = read_documents(args.retrieval_data)
+    docs, queries = retrieval.deep_pairs(rows, lo=lo, hi=hi, max_docs=args.retrieval_docs, seed=args.seed)
+    if len(docs) < 2:
+        raise ValueError(f"--retrieval-data: {len(docs)} documents of {lo}..{hi} tokens with a late paragraph; need 2")
+    firsts, rests = retrieval.short_pairs(rows, max_pairs=args.short_pairs, seed=args.seed)
+    emb = retrieval.Embedders(model, teacher, hashes=hashes, window=args.window, device=device)
+    return {"deep_retrieval": retrieval.deep_retrieval(emb, docs, queries),
+            "short_retrieval": retrieval.short_retrieval(emb, firsts, rests) if len(firsts) >= 2 else []}
+
+
 def markdown(rows: list[dict]) -> str:
     keys = list(rows[0])
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -147,8 +186,8 @@ def run(args: argparse.Namespace) -> int:
     if model.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer files")
     teacher = BertTeacher.from_dir(args.teacher, device=session.device) if args.teacher else None
-    if (args.data or args.long_data) and teacher is None:
-        raise ValueError("--data and --long-data measure agreement with a teacher: pass --teacher")
+    if (args.data or args.long_data or args.retrieval_data) and teacher is None:
+        raise ValueError("--data, --long-data and --retrieval-data compare with a teacher: pass --teacher")
     results: dict = {"model": str(args.model), "teacher": str(args.teacher) if args.teacher else None}
     cap = args.max_texts or None
     if args.data:
@@ -166,13 +205,15 @@ def run(args: argparse.Namespace) -> int:
                                    name="labelled", need_labels=True)
         results["classification"] = classification(model, examples[:cap], ids[:cap], batch_size=args.batch_size,
                                                    device=session.device)
-    for key in ("agreement", "long_agreement"):
+    if args.retrieval_data:
+        results.update(retrieval_results(args, model, teacher, session.device))
+    for key in TABLES:
         for row in results.get(key, []):
             session.run.log(key, **row)
     if "classification" in results:
         session.run.log("classification", **results["classification"])
     session.run.write_json("results.json", results)
-    for key in ("agreement", "long_agreement"):
+    for key in TABLES:
         if results.get(key):
             print(f"\n### {key}\n\n{markdown(results[key])}")
     if "classification" in results:

@@ -20,11 +20,22 @@ def test_passages_pack_paragraphs_up_to_the_word_limit():
     assert passages(["tiny"], words=5) == []  # a tail of fewer than 8 words is not a passage
 
 
-def _work(tmp_path: Path, model: Path, student_cos: float, converted_cos: float) -> Path:
+def _deep(student: float, refined: float | None = None) -> list[dict]:
+    rows = [{"method": "student, one pass", "docs": 300, "recall_at_1": student, "mrr_at_10": student + 0.05,
+             "docs_per_s": 2.0},
+            {"method": "teacher, 240-token windows averaged", "docs": 300, "recall_at_1": 0.66, "mrr_at_10": 0.7,
+             "docs_per_s": 3.0},
+            {"method": "teacher, truncated at 512", "docs": 300, "recall_at_1": 0.46, "mrr_at_10": 0.5,
+             "docs_per_s": 9.0}]
+    return rows
+
+
+def _work(tmp_path: Path, model: Path, student_recall: float, refined_recall: float, short: float = 0.9) -> Path:
     work = tmp_path / "work"
-    shutil.copytree(model, work / "refine" / "model")  # the final model is stage two's
+    shutil.copytree(model, work / "longdoc" / "model")  # the final model is stage three's
     common = {"train_hashes": "0,32", "batch_size": 16, "grad_accum": 1, "max_minutes": 30.0, "teacher": "/teacher"}
     (work / "distill").mkdir()
+    (work / "refine").mkdir()
     (work / "distill" / "config.json").write_text(json.dumps({**common, "seed": 0, "lr": 1.5e-4}))
     (work / "refine" / "config.json").write_text(json.dumps(
         {**common, "seed": 1, "lr": 5e-5, "conv_window": 33, "conv_lr_scale": 40.0}))
@@ -35,11 +46,27 @@ def _work(tmp_path: Path, model: Path, student_cos: float, converted_cos: float)
     (work / "distill" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     events = [{"event": "start", "time": 6000.0, "step": 0}, {"event": "stop", "time": 6300.0, "step": 12}]
     (work / "refine" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (work / "longdoc" / "config.json").write_text(json.dumps(
+        {**common, "seed": 0, "lr": 3e-5, "batch_size": 4, "spans_per_doc": 4, "queue": 128, "short_pairs": 16,
+         "curriculum": "1024:0.35,2048:0.7,4096:1", "doc_hashes": "32", "query_hashes": "0"}))
+    events = [{"event": "start", "time": 7000.0, "step": 0}, {"event": "stop", "time": 7600.0, "step": 30}]
+    (work / "longdoc" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (work / "longdoc-data").mkdir()
+    (work / "longdoc-data" / "counts.json").write_text(json.dumps(
+        {"train_docs": 50, "train_tokens": 1.5e6, "train_by_source": {"linux": 30, "python": 20},
+         "heldout_docs": 5, "transfer_docs": 8}))
+    shorts = [{"method": "student", "pairs": 40, "recall_at_1": short, "mrr_at_10": 0.95},
+              {"method": "teacher", "pairs": 40, "recall_at_1": 0.9, "mrr_at_10": 0.95}]
+    for name, recall in (("retrieval-transfer", student_recall), ("retrieval-heldout", student_recall),
+                         ("retrieval-refined", refined_recall)):
+        (work / name).mkdir()
+        (work / name / "results.json").write_text(json.dumps({"deep_retrieval": _deep(recall),
+                                                              "short_retrieval": shorts}))
     (work / "data").mkdir()
     (work / "data" / "counts.json").write_text(json.dumps(
         {"pages": {"train": 9, "heldout": 1}, "train_passages": 90, "heldout_passages": 10, "heldout_long": 2,
          "topics": ["a", "b"], "topics_train": 20}))
-    for name, cos in (("eval-student", student_cos), ("eval-converted", converted_cos)):
+    for name, cos in (("eval-student", 0.95), ("eval-converted", 0.85)):
         (work / name).mkdir()
         rows = [{"hashes": h, "texts": 10, "mean_cos": cos - h / 1000, "spearman": 0.9, "texts_per_s": 5.0,
                  "teacher_texts_per_s": 9.0} for h in (0, 32)]
@@ -47,23 +74,33 @@ def _work(tmp_path: Path, model: Path, student_cos: float, converted_cos: float)
     return work
 
 
-def test_bundle_ships_only_a_student_that_beats_the_conversion(tiny_yoso, tmp_path):
+def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tmp_path):
     target = tmp_path / "bundled" / "yoso-test"
-    losing = _work(tmp_path / "lose", tiny_yoso, student_cos=0.80, converted_cos=0.85)
+    losing = _work(tmp_path / "lose", tiny_yoso, student_recall=0.60, refined_recall=0.62)
     assert not bundle(losing, target)
     assert not target.exists()
     card = (losing / "MODEL_CARD.md").read_text()
-    assert "| 32 | 0.7680 | 0.8180 |" in card and "Student beats the plain converted model at 32 hashes: no" in card
-    assert "Targets met: cos_exact no, cos_32 no, spearman_32 no, spearman_exact no" in card
+    assert "| student, one pass | 300 | 0.600 | 0.650 | 2.00 |" in card
+    assert "| refined model (stage 2), one pass | 300 | 0.620 | 0.670 | 2.00 |" in card
+    assert "| teacher, 240-token windows averaged | 300 | 0.660 | 0.700 | 3.00 |" in card
+    assert "deep recall@1 at least the windowed teacher's + 0.05: not met" in card
+    assert "short recall@1 at least 0.97 × the teacher's: met" in card
+    assert "improves deep retrieval on the source kept out over the refined model: no" in card
     assert "1. distill (seed 0): the converted teacher trained 40 optimizer steps (batch 16 × 1, lr 0.00015) " \
            "in 30.5 minutes of wall-clock time over 2 session(s)" in card
     assert "2. refine (seed 1): a YOSO-C depthwise convolution over the values (width 33" in card
     assert "12 optimizer steps (batch 16 × 1, lr 5e-05, the convolution at 40× that) in 5.0 minutes" in card
-    assert "--conv-window 33 --conv-lr-scale 40" in card
+    assert "3. longdoc (seed 0): 30 optimizer steps of 4 documents" in card and "in 10.0 minutes" not in card
+    assert "10.0 minutes over 1 session(s)" in card
+    assert "--conv-window 33 --conv-lr-scale 40" in card and "yoso-train longdoc --model" in card
+    assert "| 32 | 0.9180 | 0.8180 |" in card  # agreement is still reported
 
-    winning = _work(tmp_path / "win", tiny_yoso, student_cos=0.95, converted_cos=0.85)
+    winning = _work(tmp_path / "win", tiny_yoso, student_recall=0.75, refined_recall=0.62, short=0.85)
     assert bundle(winning, target)
-    assert (target / "MODEL_CARD.md").read_text() == (winning / "MODEL_CARD.md").read_text()
+    card = (target / "MODEL_CARD.md").read_text()
+    assert card == (winning / "MODEL_CARD.md").read_text()
+    assert "deep recall@1 at least the windowed teacher's + 0.05: met" in card
+    assert "short recall@1 at least 0.97 × the teacher's: not met" in card  # 0.85 < 0.97 × 0.9
     assert load_pretrained(target).config.hidden_size == 32
 
 
@@ -82,7 +119,16 @@ def test_pipeline_waits_for_a_stage_stopped_by_its_time_limit(tmp_path, monkeypa
     (work / "refine").mkdir()
     (work / "refine" / "metrics.jsonl").write_text(json.dumps({**stop, "reason": "done"}) + "\n")
     calls.clear()
+    monkeypatch.setattr(default_model, "prepare_corpus", lambda *a: calls.append("longdoc-data") or {})
+    assert default_model.main(["all", "--work", str(work), "--minutes", "1"]) == 0
+    assert calls == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc")]
+
+    (work / "longdoc").mkdir()
+    (work / "longdoc" / "metrics.jsonl").write_text(json.dumps({**stop, "reason": "done"}) + "\n")
+    calls.clear()
     monkeypatch.setattr("yoso_serve.model.train.model_card.bundle", lambda *a: calls.append("bundle"))
     assert default_model.main(["all", "--work", str(work)]) == 0
-    assert calls[:2] == [str(work / "distill"), str(work / "refine")] and calls[-1] == "bundle"
-    assert len(calls) == 7  # + eval-converted, eval-student, topics-teacher, topics-student
+    assert calls[:4] == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc")]
+    assert calls[4:9] == [str(work / n) for n in ("eval-converted", "eval-student", "retrieval-transfer",
+                                                  "retrieval-heldout", "retrieval-refined")]
+    assert calls[-1] == "bundle" and len(calls) == 12  # + topics-teacher, topics-student

@@ -1,0 +1,316 @@
+"""``yoso-train longdoc``: contrastive long-document training, so that one pass over a whole document
+finds what is deep inside it.
+
+Each step takes ``--batch-size`` documents of one source (in-batch negatives of the same source are the
+hard ones), cropped to the length of the curriculum's current stage, and ``--spans-per-doc`` spans of
+each: a block (paragraph, list item) or one of its sentences, drawn uniformly over the document's
+tokens. Losses, summed:
+
+* long: symmetric InfoNCE between spans and documents (span → its document among the batch's and a
+  queue of recent documents' embeddings; document → each of its spans among the batch's spans) with a
+  learned temperature;
+* short (``--w-short``): symmetric InfoNCE between the first sentence of a paragraph and the rest of it;
+* distill (``--w-distill``): 1 − cos between the student's and the teacher's embedding of every short
+  text (spans and short pairs), so short-text quality stays the teacher's.
+
+Documents run at ``--doc-hashes`` (LSH, with the served projections unless ``--fresh-hashes``), short
+texts at ``--query-hashes``; one count of each list is drawn per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from yoso_serve.model import EncoderModel, load_pretrained, save_pretrained
+
+from .common import add_common_arguments, prepare_model, start, train_options
+from .distill import parse_hashes, set_hash_seeds
+from .teacher import BertTeacher, pool
+from .trainer import Trainer
+
+_SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, type=Path, help="YOSO checkpoint to start from")
+    p.add_argument("--teacher", required=True, type=Path, help="BERT-family teacher of the short-text term")
+    p.add_argument("--data", required=True, type=Path, nargs="+",
+                   help="document JSONL: {doc, source, blocks: [text, ...]} per line (longdocs.py writes it)")
+    p.add_argument("--spans-per-doc", type=int, default=4)
+    p.add_argument("--span-tokens", type=int, default=128, help="spans and short texts are cut to this")
+    p.add_argument("--short-pairs", type=int, default=16, help="first-sentence → rest pairs per step")
+    p.add_argument("--queue", type=int, default=128, help="recent document embeddings kept as extra negatives")
+    p.add_argument("--curriculum", default="1024:0.3,2048:0.65,4096:1",
+                   help="LENGTH:UNTIL,... documents are cropped to LENGTH tokens until that fraction of the steps")
+    p.add_argument("--doc-hashes", default="32", help="hash counts of documents, one drawn per step (0 = exact)")
+    p.add_argument("--query-hashes", default="0", help="hash counts of spans and short texts, one drawn per step")
+    p.add_argument("--fresh-hashes", action="store_true",
+                   help="draw new hash projections each step (default: the served projections)")
+    p.add_argument("--temperature", type=float, default=0.05, help="initial InfoNCE temperature (learned)")
+    p.add_argument("--w-short", type=float, default=1.0, help="weight of the short-pair InfoNCE")
+    p.add_argument("--w-distill", type=float, default=1.0, help="weight of 1 − cos(student, teacher) on short texts")
+    p.add_argument("--save-fp16", action="store_true", help="store model/ in fp16 (the bundled format)")
+    add_common_arguments(p, lr=2e-5, batch_size=4, epochs=1, dropout=0.0)
+
+
+def parse_curriculum(text: str) -> list[tuple[int, float]]:
+    """``"1024:0.3,4096:1"`` → [(1024, 0.3), (4096, 1.0)]: increasing fractions, the last one 1."""
+    try:
+        stages = [(int(a), float(b)) for a, b in (item.split(":") for item in text.split(",") if item.strip())]
+    except ValueError:
+        raise ValueError(f"--curriculum must be LENGTH:FRACTION,..., got {text!r}") from None
+    fractions = [f for _, f in stages]
+    if not stages or fractions != sorted(fractions) or fractions[-1] != 1.0 or any(n < 16 for n, _ in stages):
+        raise ValueError(f"--curriculum needs lengths ≥ 16 and increasing fractions ending at 1, got {text!r}")
+    return stages
+
+
+def crop_length(stages: list[tuple[int, float]], step: int, total: int) -> int:
+    """The document length of the curriculum stage that ``step`` (of ``total``) is in."""
+    return next(n for n, until in stages if step < until * total or until == 1.0)
+
+
+class DocCorpus:
+    """Documents as token ids per block, grouped by source, and the short (first sentence, rest) pairs."""
+
+    def __init__(self, rows: list[dict], tokenizer, span_tokens: int) -> None:
+        self.tokenizer, self.span_tokens = tokenizer, span_tokens
+        self.blocks: list[list[str]] = [r["blocks"] for r in rows]
+        self.ids: list[list[list[int]]] = [tokenizer.encode(r["blocks"], add_special_tokens=False) for r in rows]
+        self.keys = [r["doc"] for r in rows]
+        by_source: dict[str, list[int]] = {}
+        for i, r in enumerate(rows):
+            by_source.setdefault(r["source"], []).append(i)
+        self.by_source = by_source
+        pairs = []
+        for blocks in self.blocks:
+            for text in blocks:
+                parts = _SENTENCE.split(text, maxsplit=1)
+                if len(parts) == 2 and len(parts[0].split()) >= 5 and len(parts[1].split()) >= 12:
+                    pairs.append((parts[0], parts[1]))
+        self.pairs = pairs
+
+    def source_weights(self, min_docs: int) -> dict[str, float]:
+        """Sampling weight per source ∝ √(documents): large sources lead without drowning the small ones."""
+        return {s: math.sqrt(len(d)) for s, d in sorted(self.by_source.items()) if len(d) >= min_docs}
+
+
+class StepSlots(Dataset):
+    """One item per micro-batch; what it holds is drawn in ``collate`` from the step's own RNG."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"slot": i}
+
+
+def draw_spans(rng: random.Random, corpus: DocCorpus, doc: int, lo: int, hi: int, k: int) -> list[list[int]]:
+    """Up to ``k`` distinct spans among the blocks inside token range [lo, hi) of ``doc``, each block
+    weighted by its token count (uniform over the document's length); a span is its block or, one time in
+    three, one of its sentences, cut to the span length."""
+    starts, pos = [], 0
+    for ids in corpus.ids[doc]:
+        starts.append(pos)
+        pos += len(ids)
+    eligible = [b for b, s in enumerate(starts) if s >= lo and s + len(corpus.ids[doc][b]) <= hi
+                and len(corpus.ids[doc][b]) >= 8]
+    chosen: list[int] = []
+    while eligible and len(chosen) < k:
+        b = rng.choices(eligible, weights=[len(corpus.ids[doc][x]) for x in eligible])[0]
+        eligible.remove(b)
+        chosen.append(b)
+    room = corpus.span_tokens - 2
+    spans = []
+    for b in chosen:
+        ids = corpus.ids[doc][b]
+        sentences = [s for s in _SENTENCE.split(corpus.blocks[doc][b]) if len(s.split()) >= 6]
+        if len(sentences) > 1 and rng.random() < 1 / 3:
+            ids = corpus.tokenizer.encode([rng.choice(sentences)], add_special_tokens=False)[0]
+        if len(ids) > room:
+            s = rng.randrange(len(ids) - room + 1)
+            ids = ids[s:s + room]
+        spans.append(corpus.tokenizer.wrap(ids))
+    return spans
+
+
+def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), n), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+class LongDocLoss(nn.Module):
+    """Student forward and the three losses; holds the student's encoder, the temperature and the queue."""
+
+    def __init__(self, student: EncoderModel, *, temperature: float, queue: int, weights: tuple[float, float]) -> None:
+        super().__init__()
+        self.student = student.encoder
+        self.pooling = student.config.pooling
+        self.w_short, self.w_distill = weights
+        self.log_scale = nn.Parameter(torch.tensor(math.log(1.0 / temperature)))
+        dim = student.config.hidden_size
+        self.register_buffer("queue", torch.zeros(queue, dim))
+        self.register_buffer("queue_keys", torch.full((queue,), -1, dtype=torch.long))
+
+    def embed(self, ids: torch.Tensor, mask: torch.Tensor, hashes: int) -> torch.Tensor:
+        hidden = self.student(ids, mask, hashes=hashes)  # (B, N, D)
+        return F.normalize(pool(hidden.float(), mask, self.pooling), dim=-1)
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        docs = self.embed(batch["input_ids"], batch["attention_mask"], int(batch["doc_hashes"]))  # (B, D)
+        short = self.embed(batch["short_ids"], batch["short_mask"], int(batch["query_hashes"]))  # (S + 2P, D)
+        n_spans, n_pairs = len(batch["span_doc"]), int(batch["n_pairs"])
+        spans, first, rest = short[:n_spans], short[n_spans:n_spans + n_pairs], short[n_spans + n_pairs:]
+        scale = self.log_scale.exp().clamp(max=100.0)
+        span_doc = batch["span_doc"]  # (S,) index of each span's document in the batch
+        # span → document: the batch's documents, then the queue (minus copies of this batch's documents)
+        stale = (self.queue_keys[None, :] == batch["doc_keys"][:, None]).any(0) | (self.queue_keys < 0)
+        queue = self.queue[~stale]
+        q2d = F.cross_entropy(scale * spans @ torch.cat([docs, queue]).T, span_doc)
+        # document → span: each span against every span of the batch but its document's other spans
+        logits = scale * docs[span_doc] @ spans.T  # (S, S): row r is the document of span r
+        others = (span_doc[:, None] == span_doc[None, :]) & ~torch.eye(n_spans, dtype=torch.bool, device=logits.device)
+        d2q = F.cross_entropy(logits.masked_fill(others, -1e4), torch.arange(n_spans, device=logits.device))
+        loss_long = (q2d + d2q) / 2
+        pair = scale * first @ rest.T
+        target = torch.arange(n_pairs, device=pair.device)
+        loss_short = (F.cross_entropy(pair, target) + F.cross_entropy(pair.T, target)) / 2
+        loss_distill = (1.0 - (short * F.normalize(batch["t_short"], dim=-1)).sum(-1)).mean()
+        self.push(docs.detach(), batch["doc_keys"])
+        loss = loss_long + self.w_short * loss_short + self.w_distill * loss_distill
+        with torch.no_grad():
+            top1 = (spans @ docs.T).argmax(-1).eq(span_doc).float().mean()
+        return loss, {"long_loss": float(loss_long.detach()), "short_loss": float(loss_short.detach()),
+                      "distill_loss": float(loss_distill.detach()), "temperature": float(1.0 / scale.detach()),
+                      "span_top1": float(top1)}
+
+    @torch.no_grad()
+    def push(self, docs: torch.Tensor, keys: torch.Tensor) -> None:
+        """FIFO: the newest documents enter at the front."""
+        if not len(self.queue):
+            return
+        n = min(len(docs), len(self.queue))
+        self.queue.copy_(torch.cat([docs[:n], self.queue[:-n]]))
+        self.queue_keys.copy_(torch.cat([keys[:n], self.queue_keys[:-n]]))
+
+
+def read_documents(paths: list[Path]) -> list[dict]:
+    rows = []
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"--data: {path} not found")
+        for n, line in enumerate(path.open(encoding="utf-8"), 1):
+            try:
+                row = json.loads(line)
+                ok = isinstance(row.get("blocks"), list) and row["blocks"] and isinstance(row.get("source"), str)
+            except (json.JSONDecodeError, AttributeError):
+                ok = False
+            if not ok:
+                raise ValueError(f"--data: {path}:{n}: not a document row {{doc, source, blocks: [...]}}")
+            rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("spans_per_doc", "span_tokens", "short_pairs"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.batch_size < 2 or args.queue < 0 or not args.temperature > 0:
+        raise ValueError("--batch-size must be >= 2 (in-batch negatives), --queue >= 0, --temperature > 0")
+    stages = parse_curriculum(args.curriculum)
+    doc_hashes, query_hashes = parse_hashes(args.doc_hashes), parse_hashes(args.query_hashes)
+    session = start(args, "longdoc")
+    student = load_pretrained(args.model, device=session.device)
+    if student.tokenizer is None:
+        raise ValueError("the student checkpoint has no tokenizer files")
+    if stages[-1][0] > student.config.max_length:
+        raise ValueError(f"--curriculum reaches {stages[-1][0]} tokens; the model has {student.config.max_length}")
+    teacher = BertTeacher.from_dir(args.teacher, device=session.device)
+    tok = student.tokenizer
+    corpus = DocCorpus(read_documents(args.data), tok, min(args.span_tokens, teacher.max_positions))
+    weights = corpus.source_weights(args.batch_size)
+    if not weights:
+        raise ValueError(f"--data: no source has --batch-size ({args.batch_size}) documents")
+    if len(corpus.pairs) < args.short_pairs:
+        raise ValueError(f"--data: {len(corpus.pairs)} short pairs, fewer than --short-pairs {args.short_pairs}")
+    prepare_model(args, student.encoder, student.config.num_hidden_layers)
+    module = LongDocLoss(student, temperature=args.temperature, queue=args.queue,
+                         weights=(args.w_short, args.w_distill))
+    sources = list(weights)
+    trainer: Trainer
+
+    def collate(items: list[dict]) -> dict:
+        rng = random.Random(args.seed * 1_000_003 + trainer.step * 997 + trainer.batch_in_epoch)
+        length = crop_length(stages, trainer.step, trainer.total_steps) - 2
+        source = rng.choices(sources, weights=[weights[s] for s in sources])[0]
+        docs, spans, span_doc, keys = [], [], [], []
+        for d in rng.sample(corpus.by_source[source], args.batch_size):
+            total = sum(len(ids) for ids in corpus.ids[d])
+            lo = rng.randrange(total - length + 1) if total > length else 0
+            flat = [t for ids in corpus.ids[d] for t in ids][lo:lo + length]
+            for span in draw_spans(rng, corpus, d, lo, lo + length, args.spans_per_doc):
+                spans.append(span)
+                span_doc.append(len(docs))
+            docs.append(tok.wrap(flat))
+            keys.append(corpus.keys[d])
+        pairs = rng.sample(corpus.pairs, args.short_pairs)
+        room = corpus.span_tokens
+        short = spans + tok.encode([a for a, _ in pairs], max_length=room) + tok.encode([b for _, b in pairs], max_length=room)
+        ids, mask = pad(docs, tok.pad_id)
+        short_ids, short_mask = pad(short, tok.pad_id)
+        return {"input_ids": ids, "attention_mask": mask, "short_ids": short_ids, "short_mask": short_mask,
+                "span_doc": torch.tensor(span_doc), "n_pairs": torch.tensor(len(pairs)),
+                "doc_keys": torch.tensor([hash_key(k) for k in keys]),
+                "doc_hashes": torch.tensor(rng.choice(doc_hashes)), "query_hashes": torch.tensor(rng.choice(query_hashes)),
+                "fresh_seed": torch.tensor(rng.randrange(1, 1 << 30))}
+
+    def prepare(batch: dict) -> dict:
+        batch = {k: v.to(session.device) for k, v in batch.items()}
+        if args.fresh_hashes:
+            set_hash_seeds(student, int(batch["fresh_seed"]))
+        with torch.no_grad():
+            batch["t_short"] = teacher.embed(batch["short_ids"], batch["short_mask"])
+        return batch
+
+    def export() -> None:
+        if session.dist.is_main:
+            set_hash_seeds(student, student.config.hash_seed)
+            save_pretrained(student, session.run.path / "model", dtype=torch.float16 if args.save_fp16 else None)
+
+    options = train_options(args)
+    options.batch_size = 1  # one slot per micro-batch; --batch-size documents are drawn inside it
+    slots = max(1, sum(len(d) for d in corpus.by_source.values()) // args.batch_size)
+    trainer = Trainer(module, StepSlots(slots), collate, prepare, options=options, run=session.run,
+                      dist_=session.dist, device=session.device)
+    trainer.on_save = export
+    if args.resume:
+        trainer.resume()
+    session.say(f"longdoc: {len(corpus.keys)} documents from {len(weights)} sources ({', '.join(sources)}), "
+                f"{len(corpus.pairs)} short pairs, {trainer.total_steps} steps, curriculum {stages}")
+    stop = trainer.fit()
+    session.say(f"longdoc: stopped ({stop}) at step {trainer.step}; model in {session.run.path / 'model'}")
+    return 0
+
+
+def hash_key(key: str) -> int:
+    """A stable 62-bit id of a document key (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest()[:8], "big") >> 2

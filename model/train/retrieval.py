@@ -1,0 +1,163 @@
+"""Retrieval tasks of ``yoso-train eval``: does reading a whole document at once pay?
+
+* Deep retrieval: held-out documents of ``lo``–``hi`` tokens, each paired with one paragraph from its
+  second half; the paragraph is the query, every document the corpus. Scored for the student in one
+  pass (at the served hash setting), the teacher truncated to its positions, and the teacher over
+  ``window``-token windows whose embeddings are averaged (what users of a 512-token model do), with
+  the documents per second of each.
+* Short retrieval: the first sentence of a paragraph is the query, the rest of every paragraph the
+  corpus; student and teacher.
+
+Metrics: recall@1 and MRR@10 by cosine similarity. Queries are drawn with a seeded RNG per document, so
+every run and model sees the same pairs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from yoso_serve.model import EncoderModel
+
+from .teacher import BertTeacher
+
+QUERY_WORDS = 20  # a query paragraph has at least this many words
+_SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
+
+
+def _rng(seed: int, key: str) -> random.Random:
+    return random.Random(seed * 1_000_003 + int.from_bytes(hashlib.sha1(key.encode()).digest()[:6], "big"))
+
+
+def deep_pairs(rows: list[dict], *, lo: int, hi: int, max_docs: int, seed: int) -> tuple[list[str], list[str]]:
+    """(documents, queries): documents of ``lo``..``hi`` tokens that have a paragraph of at least
+    QUERY_WORDS words starting in their second half; the query is one such paragraph, drawn per document."""
+    docs, queries = [], []
+    for row in rows:
+        if not lo <= row.get("tokens", 0) <= hi:
+            continue
+        words = [len(b.split()) for b in row["blocks"]]
+        half, pos, late = sum(words) / 2, 0, []
+        for block, n in zip(row["blocks"], words):
+            if pos >= half and n >= QUERY_WORDS:
+                late.append(block)
+            pos += n
+        if late:
+            docs.append("\n".join(row["blocks"]))
+            queries.append(_rng(seed, row["doc"]).choice(late))
+        if len(docs) == max_docs:
+            break
+    return docs, queries
+
+
+def short_pairs(rows: list[dict], *, max_pairs: int, seed: int) -> tuple[list[str], list[str]]:
+    """(first sentences, rests) of paragraphs with a first sentence of ≥ 5 words and a rest of ≥ 12."""
+    firsts, rests = [], []
+    for row in rows:
+        options = [parts for parts in (_SENTENCE.split(b, maxsplit=1) for b in row["blocks"])
+                   if len(parts) == 2 and len(parts[0].split()) >= 5 and len(parts[1].split()) >= 12]
+        if options:
+            first, rest = _rng(seed, row["doc"]).choice(options)
+            firsts.append(first)
+            rests.append(rest)
+        if len(firsts) == max_pairs:
+            break
+    return firsts, rests
+
+
+def scores(queries: torch.Tensor, corpus: torch.Tensor) -> dict[str, float]:
+    """Query i's answer is corpus row i: recall@1 and MRR@10 by cosine similarity."""
+    sim = F.normalize(queries, dim=-1) @ F.normalize(corpus, dim=-1).T
+    rank = (sim > sim.diagonal()[:, None]).sum(1)  # 0 = first
+    rr = torch.where(rank < 10, 1.0 / (rank + 1).float(), torch.zeros_like(rank, dtype=torch.float))
+    return {"recall_at_1": (rank == 0).float().mean().item(), "mrr_at_10": rr.mean().item()}
+
+
+@torch.no_grad()
+def batched(embed_ids: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], seqs: list[list[int]], *,
+            pad_id: int, token_budget: int, device: torch.device, desc: str) -> torch.Tensor:
+    """Embed token sequences in length-sorted batches of at most ``token_budget`` padded tokens."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    bar = tqdm(total=len(seqs), desc=desc, unit="text", dynamic_ncols=True, leave=False)
+    s = 0
+    while s < len(order):
+        e = s + 1
+        while e < len(order) and (e - s + 1) * len(seqs[order[e]]) <= token_budget:
+            e += 1
+        chunk = order[s:e]
+        n = len(seqs[chunk[-1]])
+        ids = torch.full((len(chunk), n), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), n), dtype=torch.long)
+        for r, i in enumerate(chunk):
+            ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
+            mask[r, :len(seqs[i])] = 1
+        for i, v in zip(chunk, embed_ids(ids.to(device), mask.to(device)).float().cpu()):
+            out[i] = v
+        bar.update(len(chunk))
+        s = e
+    bar.close()
+    return torch.stack(out)
+
+
+class Embedders:
+    """The three ways to embed a document compared here, each from texts to (n, D)."""
+
+    def __init__(self, student: EncoderModel, teacher: BertTeacher, *, hashes: int | None, window: int,
+                 device: torch.device, token_budget: int = 8192) -> None:
+        self.student, self.teacher, self.hashes, self.window = student, teacher, hashes, window
+        self.tok, self.device, self.budget = student.tokenizer, device, token_budget
+
+    def _run(self, fn, seqs: list[list[int]], desc: str) -> torch.Tensor:
+        return batched(fn, seqs, pad_id=self.tok.pad_id, token_budget=self.budget, device=self.device, desc=desc)
+
+    def student_one_pass(self, texts: list[str]) -> torch.Tensor:
+        seqs = self.tok.encode(texts, max_length=self.student.config.max_length)
+        return self._run(lambda i, m: self.student.embed(i, m, hashes=self.hashes), seqs, "student")
+
+    def teacher_truncated(self, texts: list[str]) -> torch.Tensor:
+        seqs = self.tok.encode(texts, max_length=self.teacher.max_positions)
+        return self._run(self.teacher.embed, seqs, "teacher truncated")
+
+    def teacher_windowed(self, texts: list[str]) -> torch.Tensor:
+        """Mean of the unit embeddings of consecutive ``window``-token windows (specials included)."""
+        size = self.window - 2
+        owner, seqs = [], []
+        for d, ids in enumerate(self.tok.encode(texts, add_special_tokens=False)):
+            for s in range(0, max(1, len(ids)), size):
+                owner.append(d)
+                seqs.append(self.tok.wrap(ids[s:s + size]))
+        vecs = F.normalize(self._run(self.teacher.embed, seqs, "teacher windows"), dim=-1)
+        out = torch.zeros(len(texts), vecs.shape[1])
+        out.index_add_(0, torch.tensor(owner), vecs)
+        return out
+
+
+def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str]) -> list[dict]:
+    """One row per method: recall@1, MRR@10, documents per second (document embedding time only)."""
+    rows = []
+    s_queries = emb.student_one_pass(queries)
+    t_queries = emb.teacher_truncated(queries)
+    methods = [("student, one pass", emb.student_one_pass, s_queries),
+               (f"teacher, {emb.window}-token windows averaged", emb.teacher_windowed, t_queries),
+               (f"teacher, truncated at {emb.teacher.max_positions}", emb.teacher_truncated, t_queries)]
+    for name, fn, q in methods:
+        t0 = time.perf_counter()
+        d = fn(docs)
+        secs = time.perf_counter() - t0
+        rows.append({"method": name, "docs": len(docs), **scores(q, d), "docs_per_s": len(docs) / secs})
+    return rows
+
+
+def short_retrieval(emb: Embedders, firsts: list[str], rests: list[str]) -> list[dict]:
+    return [{"method": "student", "pairs": len(firsts),
+             **scores(emb.student_one_pass(firsts), emb.student_one_pass(rests))},
+            {"method": "teacher", "pairs": len(firsts),
+             **scores(emb.teacher_truncated(firsts), emb.teacher_truncated(rests))}]

@@ -1,0 +1,165 @@
+"""Long-document training and the retrieval evaluation: the corpus reader, the contrastive command
+(it learns, it resumes bit for bit) and the retrieval scores against hand-computed answers."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from yoso_serve.model.train import longdocs, retrieval
+from yoso_serve.model.train.cli import main
+from yoso_serve.model.train.longdoc import crop_length, parse_curriculum
+from yoso_serve.model.train.runtime import read_events
+
+TOPICS = [("alpha", "beta", "gamma"), ("python", "module", "function"), ("file", "path", "error"),
+          ("loop", "while", "for"), ("list", "dict", "string"), ("true", "false", "none")]
+COMMON = ("if", "else", "return", "value", "object", "method", "type", "number", "class", "import")
+
+
+def topic_docs(n_docs: int, seed: int = 0) -> list[dict]:
+    """Documents whose blocks mix their own topic's words with common ones: a span finds its document
+    only through the topic words, so retrieval has something to learn."""
+    rng = random.Random(seed)
+    rows = []
+    for d in range(n_docs):
+        topic = TOPICS[d % len(TOPICS)]
+        blocks = []
+        for _ in range(6):
+            words = [rng.choice(topic if rng.random() < 0.35 else COMMON) for _ in range(rng.randint(18, 24))]
+            first = " ".join(words[:5]).capitalize() + "."
+            blocks.append(first + " " + " ".join(words[5:]).capitalize() + ".")
+        rows.append({"doc": f"t/{d}.html#0", "source": "even" if d % 2 == 0 else "odd", "page": f"t/{d}.html",
+                     "blocks": blocks, "tokens": sum(len(b.split()) for b in blocks) + 16})
+    return rows
+
+
+@pytest.fixture
+def docs_file(tmp_path, write_jsonl):
+    return write_jsonl(tmp_path / "docs.jsonl", topic_docs(24))
+
+
+def longdoc_argv(tiny_bert, tiny_yoso, data, out, *extra):
+    return ["longdoc", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--data", str(data), "--out", str(out),
+            "--batch-size", "4", "--spans-per-doc", "2", "--short-pairs", "4", "--queue", "8",
+            "--curriculum", "48:0.5,120:1", "--doc-hashes", "0,8", "--query-hashes", "0", "--log-every", "1",
+            "--save-every", "4", "--lr", "1e-3", "--seed", "0", *extra]
+
+
+def test_html_blocks_keep_prose_in_order_and_drop_navigation():
+    page = """<html><head><title>T</title><style>p {}</style></head><body>
+      <div class="navheader"><p>Prev</p><p>Next <a href="x">up</a></p></div>
+      <div class="body" role="main"><h1>Heading<a class="headerlink">¶</a></h1>
+      <p>First   paragraph
+         spans lines.<p>Second, unclosed.
+      <ul><li>item one</li><li>item two</li></ul><pre>code  block</pre><script>var x;</script></div>
+      <footer>© someone</footer></body></html>"""
+    assert longdocs.html_blocks(page) == ["Heading", "First paragraph spans lines.", "Second, unclosed.",
+                                          "item one", "item two", "code block"]
+
+
+def test_parts_cut_at_block_edges_within_the_budget():
+    assert longdocs.split_parts(["a", "b", "c", "d"], [3, 3, 5, 1], 6) == [[0, 1], [2, 3]]
+    assert longdocs.split_parts(["a", "b"], [9, 1], 6) == [[0], [1]]  # an oversized block stands alone
+    rows = longdocs.page_documents("s", "p.html", ["a", "b", "c"], [30, 30, 5], max_tokens=60, min_tokens=10)
+    assert [(r["doc"], r["blocks"], r["tokens"]) for r in rows] == [("s/p.html#0", ["a", "b"], 60)]
+
+
+def test_manual_pages_are_never_sources(tmp_path):
+    root = tmp_path / "doc"
+    for rel in ("user-manual.html", "git-add.html", "gittutorial.html", "howto/a.html", "_static/x.html"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("<p>text</p>")
+    git = longdocs.Source("git", root, "git-doc", longdocs.SOURCES["git"].keep)
+    assert [rel for rel, _ in git.pages(frozenset())] == ["howto/a.html", "user-manual.html"]
+    assert [rel for rel, _ in git.pages(frozenset({"a"}))] == ["user-manual.html"]  # named like a man page
+    assert not longdocs.SOURCES["postgresql"].keep("sql-select.html")
+    assert not longdocs.SOURCES["postgresql"].keep("app-psql.html")
+    assert longdocs.SOURCES["postgresql"].keep("tutorial-join.html")
+    man = tmp_path / "man"
+    (man / "man1").mkdir(parents=True)
+    (man / "man1" / "ls.1.gz").write_bytes(b"")
+    assert longdocs.man_page_names(man) == frozenset({"ls"})
+
+
+def test_training_and_transfer_sources_must_not_overlap(tmp_path):
+    with pytest.raises(ValueError, match="both trained on and kept out"):
+        longdocs.prepare_corpus(tmp_path, None, train_sources=("python",), transfer_sources=("python",))
+
+
+def test_curriculum_stages():
+    stages = parse_curriculum("512:0.25,1024:0.5,4096:1")
+    assert [crop_length(stages, s, 100) for s in (0, 24, 25, 49, 50, 99)] == [512, 512, 1024, 1024, 4096, 4096]
+    for bad in ("512:0.5", "512:0.6,1024:0.5,2048:1", "8:1", "x"):
+        with pytest.raises(ValueError, match="--curriculum"):
+            parse_curriculum(bad)
+
+
+def test_scores_match_hand_computed_ranks():
+    d = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+    # query 0 ranks its document first, query 1 second, query 2 third
+    q = torch.tensor([[1.0, 0.1], [1.0, 0.5], [0.5, 1.0]])
+    got = retrieval.scores(q, d)
+    assert got["recall_at_1"] == pytest.approx(1 / 3)
+    assert got["mrr_at_10"] == pytest.approx((1 + 1 / 2 + 1 / 3) / 3)
+
+
+def test_deep_pairs_take_a_late_paragraph_and_are_seeded():
+    long_block = " ".join(["w"] * 25)
+    row = {"doc": "d#0", "tokens": 2000, "blocks": ["early " + long_block, "short", "late " + long_block]}
+    docs, queries = retrieval.deep_pairs([row, {**row, "tokens": 100}], lo=1200, hi=4000, max_docs=10, seed=0)
+    assert docs == ["\n".join(row["blocks"])] and queries == ["late " + long_block]
+    firsts, rests = retrieval.short_pairs(topic_docs(3), max_pairs=2, seed=0)
+    assert len(firsts) == 2 and all(f.endswith(".") for f in firsts)
+    assert (firsts, rests) == retrieval.short_pairs(topic_docs(3), max_pairs=2, seed=0)
+
+
+def test_longdoc_learns_to_find_spans_and_writes_a_servable_model(tiny_bert, tiny_yoso, docs_file, tmp_path):
+    out = tmp_path / "run"
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "24")) == 0
+    rows = read_events(out, "train")
+    first, last = rows[:4], rows[-4:]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert mean(last, "long_loss") < mean(first, "long_loss")
+    assert {"short_loss", "distill_loss", "temperature", "span_top1"} <= set(rows[0])
+    from yoso_serve.model import load_pretrained
+
+    model = load_pretrained(out / "model")
+    ids = torch.tensor([model.tokenizer.encode(["alpha beta gamma"])[0]])
+    assert torch.isfinite(model.embed(ids, torch.ones_like(ids))).all()
+
+
+def test_longdoc_resume_reproduces_an_uninterrupted_run(tiny_bert, tiny_yoso, docs_file, tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, whole, "--max-steps", "8")) == 0
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, split, "--max-steps", "8",
+                             "--max-minutes", "1e-9")) == 0
+    assert read_events(split, "stop")[-1]["reason"] == "time limit"
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, split, "--max-steps", "8", "--resume")) == 0
+    a = torch.load(whole / "checkpoints" / "last.pt", weights_only=False)["model"]
+    b = torch.load(split / "checkpoints" / "last.pt", weights_only=False)["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_longdoc_refuses_bad_configuration(tiny_bert, tiny_yoso, docs_file, tmp_path, capsys, write_jsonl):
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "a", "--curriculum", "64:0.5,4096:1")) == 2
+    assert "curriculum reaches 4096" in capsys.readouterr().err
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "no blocks"}])
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, bad, tmp_path / "b")) == 2
+    assert "bad.jsonl:1: not a document row" in capsys.readouterr().err
+
+
+def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, write_jsonl, capsys):
+    docs = write_jsonl(tmp_path / "held.jsonl", [{**r, "tokens": 1500} for r in topic_docs(6)])
+    out = tmp_path / "eval"
+    assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
+                 "--window", "16", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    deep = {r["method"]: r for r in results["deep_retrieval"]}
+    assert set(deep) == {"student, one pass", "teacher, 16-token windows averaged", "teacher, truncated at 64"}
+    for row in deep.values():
+        assert row["docs"] == 6 and 0 <= row["recall_at_1"] <= row["mrr_at_10"] <= 1 and row["docs_per_s"] > 0
+    assert [r["method"] for r in results["short_retrieval"]] == ["student", "teacher"]
+    assert "### deep_retrieval" in capsys.readouterr().out
