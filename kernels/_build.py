@@ -26,6 +26,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -35,7 +37,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["BACKEND_ENV", "BUILD_TIMEOUT_ENV", "backend_info", "cpu_extension"]
+__all__ = ["BACKEND_ENV", "BUILD_TIMEOUT_ENV", "backend_info", "cpu_extension", "find_cuda_toolkit"]
 
 BACKEND_ENV = "YOSO_KERNEL_BACKEND"
 BUILD_TIMEOUT_ENV = "YOSO_KERNEL_BUILD_TIMEOUT"
@@ -156,20 +158,24 @@ def backend_info() -> dict:
     """Which attention backend is in use and why (builds the extensions on first call).
 
     Returns ``{"backend": "cuda"|"cpp"|"torch", "reason": str, "openmp_threads": int,
-    "cuda": bool, "cuda_reason": str}``: "cuda" when torch sees a GPU and the CUDA extension
-    built, else "cpp" when the CPU extension built, else "torch". ``openmp_threads`` is the
-    thread count the OpenMP kernels (and torch's CPU ops) will use.
+    "cuda": bool, "cuda_reason": str, "cuda_toolkit": str}``: "cuda" when torch sees a GPU and
+    the CUDA extension built, else "cpp" when the CPU extension built, else "torch".
+    ``openmp_threads`` is the thread count the OpenMP kernels (and torch's CPU ops) will use;
+    ``cuda_toolkit`` says which CUDA toolkit a CUDA build uses and how it was found, or why
+    none was (:func:`find_cuda_toolkit`).
     """
     module = cpu_extension()
     cuda_module = cuda_extension()
     threads = module.openmp_max_threads() if module is not None else torch.get_num_threads()
     backend = "cuda" if cuda_module is not None else "cpp" if module is not None else "torch"
+    home, how = find_cuda_toolkit()
     return {
         "backend": backend,
         "reason": _cuda_reason if cuda_module is not None else _reason,
         "openmp_threads": int(threads),
         "cuda": cuda_module is not None,
         "cuda_reason": _cuda_reason,
+        "cuda_toolkit": f"{home} ({how})" if home is not None else f"none found ({how})",
     }
 
 
@@ -186,9 +192,85 @@ _cuda_module: ModuleType | None = None
 _cuda_reason = ""
 
 
+_TOOLKIT_ENVS = ("CUDA_HOME", "CUDA_PATH")
+_DEFAULT_TOOLKIT = Path("/usr/local/cuda")
+# A wrapper script on PATH (``exec /usr/local/cuda-13.0/bin/nvcc "$@"``) names the real nvcc.
+_WRAPPED_NVCC = re.compile(r"(/[^\s'\"]+)/bin/nvcc\b")
+
+
+def _is_toolkit(home: Path) -> bool:
+    """A CUDA toolkit root: nvcc and the runtime headers, what the build compiles against."""
+    return (home / "bin" / "nvcc").is_file() and (home / "include" / "cuda_runtime.h").is_file()
+
+
+def _toolkits_behind_nvcc(nvcc: Path) -> list[tuple[Path, str]]:
+    """Toolkit roots an nvcc on PATH points to: its real path's grandparent, then (for a small
+    wrapper script) the nvcc paths the script names."""
+    real = nvcc.resolve()
+    found = [(real.parent.parent, f"nvcc on PATH: {nvcc}" + (f" -> {real}" if real != nvcc else ""))]
+    try:
+        if real.stat().st_size < 4096:
+            text = real.read_text(errors="replace")
+            if text.startswith("#!"):
+                found += [(Path(m), f"nvcc on PATH: {nvcc} wraps {m}/bin/nvcc") for m in _WRAPPED_NVCC.findall(text)]
+    except OSError:
+        pass
+    return found
+
+
+def _cuda_version_key(home: Path) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", home.name))
+
+
+def find_cuda_toolkit(
+    env: dict | None = None, which=shutil.which, default: Path = _DEFAULT_TOOLKIT
+) -> tuple[Path | None, str]:
+    """(toolkit root, how it was found), or (None, what was tried).
+
+    Order: ``$CUDA_HOME`` / ``$CUDA_PATH``, ``/usr/local/cuda``, the nvcc on PATH (its real
+    path, or the nvcc a wrapper script execs), then the newest ``/usr/local/cuda-*``. A
+    candidate counts only with ``bin/nvcc`` and ``include/cuda_runtime.h``: torch's own guess
+    takes the grandparent of whatever nvcc is on PATH, which for a wrapper in /usr/local/bin
+    is /usr/local, and the CUDA build then fails.
+    """
+    env = os.environ if env is None else env
+    candidates = [(Path(env[name]), f"${name}") for name in _TOOLKIT_ENVS if env.get(name)]
+    candidates.append((default, str(default)))
+    nvcc = which("nvcc")
+    if nvcc:
+        candidates += _toolkits_behind_nvcc(Path(nvcc))
+    versions = sorted(default.parent.glob(default.name + "-*"), key=_cuda_version_key, reverse=True)
+    candidates += [(home, f"newest {default}-*") for home in versions]
+    rejected = []
+    for home, how in candidates:
+        if _is_toolkit(home):
+            skipped = f"; skipped {', '.join(rejected)}: not a toolkit" if rejected else ""
+            return home, how + skipped
+        rejected.append(str(home) if how == str(home) else f"{home} ({how})")
+    missing = "none has bin/nvcc and include/cuda_runtime.h"
+    return None, f"tried {', '.join(rejected)}: {missing}; set CUDA_HOME to the toolkit root"
+
+
+def _use_cuda_toolkit() -> str | None:
+    """Point torch's extension builder at :func:`find_cuda_toolkit`'s toolkit; None when there is
+    none, else a note for the reason. torch reads its module-level CUDA_HOME at build time."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    home, how = find_cuda_toolkit()
+    if home is None:
+        return None
+    cpp_extension.CUDA_HOME = str(home)
+    os.environ["CUDA_HOME"] = str(home)  # nvcc and the linker run in subprocesses
+    return f"toolkit {home} ({how})"
+
+
 def _build_cuda() -> tuple[ModuleType | None, str]:
-    return _load(_CUDA_EXTENSION_NAME, _CUDA_SOURCES, "CUDA extension",
-                 extra_cflags=["-O3", "-fopenmp", "-DWITH_CUDA"], extra_cuda_cflags=["-O3", "-std=c++17"])
+    toolkit = _use_cuda_toolkit()
+    if toolkit is None:
+        return None, f"CUDA extension not built: no CUDA toolkit found ({find_cuda_toolkit()[1]})"
+    module, reason = _load(_CUDA_EXTENSION_NAME, _CUDA_SOURCES, "CUDA extension",
+                           extra_cflags=["-O3", "-fopenmp", "-DWITH_CUDA"], extra_cuda_cflags=["-O3", "-std=c++17"])
+    return module, f"{reason}; {toolkit}"
 
 
 def cuda_extension() -> ModuleType | None:
@@ -221,18 +303,17 @@ def precompile() -> int:
     """Build every extension this machine can build into torch's extension cache; 0 if all built.
 
     For the Docker image build, where no GPU is needed: the CUDA extension is built when torch
-    is a CUDA build and nvcc is found, for ``TORCH_CUDA_ARCH_LIST`` (default
-    ``DOCKER_CUDA_ARCHS``). Keep the same ``TORCH_CUDA_ARCH_LIST`` and ``TORCH_EXTENSIONS_DIR``
+    is a CUDA build and :func:`find_cuda_toolkit` finds a toolkit, for
+    ``TORCH_CUDA_ARCH_LIST`` (default ``DOCKER_CUDA_ARCHS``). Keep the same ``TORCH_CUDA_ARCH_LIST`` and ``TORCH_EXTENSIONS_DIR``
     in the running container, or the first call rebuilds for the local GPU.
     """
-    from torch.utils.cpp_extension import CUDA_HOME
-
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DOCKER_CUDA_ARCHS)
     results = [("cpu", *_build())]
-    if torch.version.cuda is not None and CUDA_HOME is not None:
+    home, how = find_cuda_toolkit()
+    if torch.version.cuda is not None and home is not None:
         results.append(("cuda", *_build_cuda()))
     else:
-        print("cuda: skipped (torch is a CPU build or nvcc is missing)")
+        print(f"cuda: skipped (torch {torch.__version__} is a CPU build, or no CUDA toolkit: {how})")
     for name, module, reason in results:
         print(f"{name}: {reason}")
     return 0 if all(module is not None for _, module, _ in results) else 1
