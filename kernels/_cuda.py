@@ -13,7 +13,9 @@ import functools
 
 import torch
 
-from .hashing import rotation_signs
+from .hashing import padded_dim, rotation_signs
+
+MAX_ROTATE_DIM = 2048  # kYosoMaxRotateDim in csrc/yoso_cuda.h: the rotation kernel's P limit
 
 
 @functools.lru_cache(maxsize=64)
@@ -26,14 +28,14 @@ def cuda_ops(ext, gemm_codes):
     """(codes, cumulate, weighted) for :class:`yoso.Kernels` over the CUDA extension ``ext``.
 
     codes: the fast family runs the fused rotation (equal to ``hash_codes_ref`` bit for bit,
-    and no (BH, N, m·τ) fp32 scores in memory); the Gaussian family is ``gemm_codes`` (one GEMM,
-    then bit packing). cumulate reads v in its own dtype (fp16/bf16 kernels, fp32 sums) and
+    and no (BH, N, m·τ) fp32 scores in memory) up to P = 2048; the Gaussian family, and the
+    rotation past that, is ``gemm_codes`` (one GEMM, then bit packing). cumulate reads v in its own dtype (fp16/bf16 kernels, fp32 sums) and
     follows ``torch.use_deterministic_algorithms``; weighted needs one dtype for its three
     inputs, and the backward mixes fp32 gradients with v, so mixed inputs go to fp32.
     """
 
     def codes(x, num_hashes, hash_bits, seed, fast_hash):
-        if not fast_hash:
+        if not fast_hash or padded_dim(x.shape[-1], hash_bits) > MAX_ROTATE_DIM:
             return gemm_codes(x, num_hashes, hash_bits, seed, fast_hash)
         batch, heads, length, dim = x.shape
         signs = _rotation_signs(seed, heads, num_hashes, hash_bits, dim, x.device)

@@ -187,7 +187,7 @@ Layout plan(const YosoCumulateParams& p, bool weighted) {
   const size_t per_set = std::max<size_t>(sized(1, 1).total(), 1);
   const int64_t group = std::max<int64_t>(1, std::min<int64_t>(p.m, kWorkspaceBudget / per_set));
   const size_t per_row = std::max<size_t>(sized(1, group).total(), 1);
-  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(p.bh, kWorkspaceBudget / per_row));
+  const int64_t rows = std::min<int64_t>(p.bh, std::max<int64_t>(1, kWorkspaceBudget / per_row));
   return sized(rows, group);
 }
 

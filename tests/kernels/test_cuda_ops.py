@@ -60,11 +60,12 @@ def test_the_rotation_kernel_gets_rows_and_signs_whose_codes_equal_the_reference
     assert ext.calls == [("rotate", (6, 37, 20), (3, 5, 3, 32))]
 
 
-def test_the_gaussian_family_goes_to_the_gemm():
+def test_the_gaussian_family_and_wide_rotations_go_to_the_gemm():
     seen = []
     codes, _, _ = cuda_ops(StandIn(), lambda *args: seen.append(args) or "gemm")
-    x = torch.randn(1, 2, 4, 8)
-    assert codes(x, 3, 4, 0, False) == "gemm" and seen == [(x, 3, 4, 0, False)]
+    x, wide = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 2, 2049)  # P = 4096 > the kernel's 2048
+    assert codes(x, 3, 4, 0, False) == "gemm" and codes(wide, 3, 4, 0, True) == "gemm"
+    assert seen == [(x, 3, 4, 0, False), (wide, 3, 4, 0, True)]
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

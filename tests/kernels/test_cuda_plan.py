@@ -128,3 +128,8 @@ def test_the_issue_case_no_longer_needs_gigabytes(driver):
     (fwd, w), = plans(driver, [(96, 32, 128, 128, 64, 64, 16, 0)])
     assert fwd["table_rows"] == 128 and fwd["sorted"]
     assert fwd["bytes"] <= BUDGET and w["bytes"] <= BUDGET
+
+
+def test_an_empty_batch_needs_no_scratch(driver):
+    (fwd, w), = plans(driver, [(0, 32, 4096, 4096, 64, 64, 8, 1)])
+    assert fwd["rows"] == 0 and fwd["bytes"] == 0 and w["bytes"] == 0
