@@ -27,7 +27,7 @@ set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 STEPS_ALL=(build tests sanitize attention model serve onnx)
-declare -A LIMIT=([build]=150 [tests]=110 [sanitize]=60 [attention]=100 [model]=40 [serve]=75 [onnx]=25)
+declare -A LIMIT=([build]=140 [tests]=150 [sanitize]=60 [attention]=80 [model]=40 [serve]=70 [onnx]=20)
 # What the GPU image lacks for the service (KINDS.md lists what it has).
 WHEELS=(fastapi starlette pydantic pydantic-core pydantic-settings python-dotenv annotated-types
         typing-inspection uvicorn)
