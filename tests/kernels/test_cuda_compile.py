@@ -37,6 +37,8 @@ LAUNCHERS = [
     "yoso_weighted_cumulate_workspace_bytes",
     "yoso_hash_pack",
     "yoso_hash_rotate",
+    "yoso_cumulate_plan",
+    "yoso_weighted_cumulate_plan",
 ]
 
 
