@@ -13,10 +13,12 @@ the build fails), ``torch`` (never build: forced pure PyTorch) or ``cpp`` (build
 reason says the choice was requested).
 
 Builds of one extension are serialised across processes by an OS file lock (``flock``) in its
-build directory, which the kernel drops when its holder dies. torch's own ``lock`` file is not
-dropped: a process killed mid-build leaves it behind and every later ``load`` waits on it
-forever. Holding the OS lock proves no other build of ours is running, so a ``lock`` file found
-then is stale and is removed (the reason says so). Waiting for another process's build gives up
+build directory, which the kernel drops when its holder dies. Up to torch 2.13 torch's own
+``lock`` file is not dropped: a process killed mid-build leaves it behind and every later
+``load`` waits on it forever. Holding the OS lock proves no other build of ours is running, so a
+``lock`` file found then is stale and is removed (the reason says so). From torch 2.14 that file
+is itself an OS lock that stays after every build and never blocks once its holder is gone, so
+it is left alone. Waiting for another process's build gives up
 after ``YOSO_KERNEL_BUILD_TIMEOUT`` seconds (default 900) with the pure-PyTorch fallback and a
 reason that names the limit, instead of hanging.
 """
@@ -75,10 +77,18 @@ def _build_timeout() -> float:
     return value
 
 
+def _torch_lock_is_a_file() -> bool:
+    """Whether torch's ``lock`` blocks by merely existing (torch <= 2.13's FileBaton); torch >= 2.14
+    holds an OS-level FileLock on that path instead."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    return not hasattr(cpp_extension, "FileLock")
+
+
 @contextmanager
-def _exclusive_build(build_dir: Path, timeout: float) -> Iterator[bool]:
+def _exclusive_build(build_dir: Path, timeout: float, torch_lock_is_a_file: bool = True) -> Iterator[bool]:
     """Hold the OS lock on ``build_dir`` (waiting at most ``timeout`` s); yields whether a stale
-    torch ``lock`` file was found and removed."""
+    torch ``lock`` file was found and removed (only where torch's lock is a mere file)."""
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "yoso_serve.flock", "a") as guard:
         deadline = time.monotonic() + timeout
@@ -93,7 +103,7 @@ def _exclusive_build(build_dir: Path, timeout: float) -> Iterator[bool]:
                 time.sleep(0.25)
         try:
             stale = build_dir / "lock"
-            found = stale.exists()
+            found = torch_lock_is_a_file and stale.exists()
             if found:
                 logger.warning("removing %s: a build lock left by a process that died mid-build", stale)
                 stale.unlink(missing_ok=True)
@@ -111,7 +121,7 @@ def _load(name: str, sources: list[Path], what: str, **flags) -> tuple[ModuleTyp
     timeout = _build_timeout()  # a bad setting raises, like a bad policy
     try:
         build_dir = Path(_get_build_directory(name, False))
-        with _exclusive_build(build_dir, timeout) as removed_stale:
+        with _exclusive_build(build_dir, timeout, _torch_lock_is_a_file()) as removed_stale:
             module = load(name=name, sources=[str(p) for p in sources], extra_ldflags=["-fopenmp"],
                           build_directory=str(build_dir), verbose=False, **flags)
     except Exception as exc:  # any compiler/linker/import failure means "no extension", with the reason
