@@ -13,10 +13,12 @@ the build fails), ``torch`` (never build: forced pure PyTorch) or ``cpp`` (build
 reason says the choice was requested).
 
 Builds of one extension are serialised across processes by an OS file lock (``flock``) in its
-build directory, which the kernel drops when its holder dies. torch's own ``lock`` file is not
-dropped: a process killed mid-build leaves it behind and every later ``load`` waits on it
-forever. Holding the OS lock proves no other build of ours is running, so a ``lock`` file found
-then is stale and is removed (the reason says so). Waiting for another process's build gives up
+build directory, which the kernel drops when its holder dies. Up to torch 2.13 torch's own
+``lock`` file is not dropped: a process killed mid-build leaves it behind and every later
+``load`` waits on it forever. Holding the OS lock proves no other build of ours is running, so a
+``lock`` file found then is stale and is removed (the reason says so). From torch 2.14 that file
+is itself an OS lock that stays after every build and never blocks once its holder is gone, so
+it is left alone. Waiting for another process's build gives up
 after ``YOSO_KERNEL_BUILD_TIMEOUT`` seconds (default 900) with the pure-PyTorch fallback and a
 reason that names the limit, instead of hanging.
 """
@@ -26,6 +28,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -35,7 +39,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["BACKEND_ENV", "BUILD_TIMEOUT_ENV", "backend_info", "cpu_extension"]
+__all__ = ["BACKEND_ENV", "BUILD_TIMEOUT_ENV", "backend_info", "cpu_extension", "find_cuda_toolkit"]
 
 BACKEND_ENV = "YOSO_KERNEL_BACKEND"
 BUILD_TIMEOUT_ENV = "YOSO_KERNEL_BUILD_TIMEOUT"
@@ -73,10 +77,18 @@ def _build_timeout() -> float:
     return value
 
 
+def _torch_lock_is_a_file() -> bool:
+    """Whether torch's ``lock`` blocks by merely existing (torch <= 2.13's FileBaton); torch >= 2.14
+    holds an OS-level FileLock on that path instead."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    return not hasattr(cpp_extension, "FileLock")
+
+
 @contextmanager
-def _exclusive_build(build_dir: Path, timeout: float) -> Iterator[bool]:
+def _exclusive_build(build_dir: Path, timeout: float, torch_lock_is_a_file: bool = True) -> Iterator[bool]:
     """Hold the OS lock on ``build_dir`` (waiting at most ``timeout`` s); yields whether a stale
-    torch ``lock`` file was found and removed."""
+    torch ``lock`` file was found and removed (only where torch's lock is a mere file)."""
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "yoso_serve.flock", "a") as guard:
         deadline = time.monotonic() + timeout
@@ -91,7 +103,7 @@ def _exclusive_build(build_dir: Path, timeout: float) -> Iterator[bool]:
                 time.sleep(0.25)
         try:
             stale = build_dir / "lock"
-            found = stale.exists()
+            found = torch_lock_is_a_file and stale.exists()
             if found:
                 logger.warning("removing %s: a build lock left by a process that died mid-build", stale)
                 stale.unlink(missing_ok=True)
@@ -109,7 +121,7 @@ def _load(name: str, sources: list[Path], what: str, **flags) -> tuple[ModuleTyp
     timeout = _build_timeout()  # a bad setting raises, like a bad policy
     try:
         build_dir = Path(_get_build_directory(name, False))
-        with _exclusive_build(build_dir, timeout) as removed_stale:
+        with _exclusive_build(build_dir, timeout, _torch_lock_is_a_file()) as removed_stale:
             module = load(name=name, sources=[str(p) for p in sources], extra_ldflags=["-fopenmp"],
                           build_directory=str(build_dir), verbose=False, **flags)
     except Exception as exc:  # any compiler/linker/import failure means "no extension", with the reason
@@ -156,20 +168,24 @@ def backend_info() -> dict:
     """Which attention backend is in use and why (builds the extensions on first call).
 
     Returns ``{"backend": "cuda"|"cpp"|"torch", "reason": str, "openmp_threads": int,
-    "cuda": bool, "cuda_reason": str}``: "cuda" when torch sees a GPU and the CUDA extension
-    built, else "cpp" when the CPU extension built, else "torch". ``openmp_threads`` is the
-    thread count the OpenMP kernels (and torch's CPU ops) will use.
+    "cuda": bool, "cuda_reason": str, "cuda_toolkit": str}``: "cuda" when torch sees a GPU and
+    the CUDA extension built, else "cpp" when the CPU extension built, else "torch".
+    ``openmp_threads`` is the thread count the OpenMP kernels (and torch's CPU ops) will use;
+    ``cuda_toolkit`` says which CUDA toolkit a CUDA build uses and how it was found, or why
+    none was (:func:`find_cuda_toolkit`).
     """
     module = cpu_extension()
     cuda_module = cuda_extension()
     threads = module.openmp_max_threads() if module is not None else torch.get_num_threads()
     backend = "cuda" if cuda_module is not None else "cpp" if module is not None else "torch"
+    home, how = find_cuda_toolkit()
     return {
         "backend": backend,
         "reason": _cuda_reason if cuda_module is not None else _reason,
         "openmp_threads": int(threads),
         "cuda": cuda_module is not None,
         "cuda_reason": _cuda_reason,
+        "cuda_toolkit": f"{home} ({how})" if home is not None else f"none found ({how})",
     }
 
 
@@ -186,9 +202,85 @@ _cuda_module: ModuleType | None = None
 _cuda_reason = ""
 
 
+_TOOLKIT_ENVS = ("CUDA_HOME", "CUDA_PATH")
+_DEFAULT_TOOLKIT = Path("/usr/local/cuda")
+# A wrapper script on PATH (``exec /usr/local/cuda-13.0/bin/nvcc "$@"``) names the real nvcc.
+_WRAPPED_NVCC = re.compile(r"(/[^\s'\"]+)/bin/nvcc\b")
+
+
+def _is_toolkit(home: Path) -> bool:
+    """A CUDA toolkit root: nvcc and the runtime headers, what the build compiles against."""
+    return (home / "bin" / "nvcc").is_file() and (home / "include" / "cuda_runtime.h").is_file()
+
+
+def _toolkits_behind_nvcc(nvcc: Path) -> list[tuple[Path, str]]:
+    """Toolkit roots an nvcc on PATH points to: its real path's grandparent, then (for a small
+    wrapper script) the nvcc paths the script names."""
+    real = nvcc.resolve()
+    found = [(real.parent.parent, f"nvcc on PATH: {nvcc}" + (f" -> {real}" if real != nvcc else ""))]
+    try:
+        if real.stat().st_size < 4096:
+            text = real.read_text(errors="replace")
+            if text.startswith("#!"):
+                found += [(Path(m), f"nvcc on PATH: {nvcc} wraps {m}/bin/nvcc") for m in _WRAPPED_NVCC.findall(text)]
+    except OSError:
+        pass
+    return found
+
+
+def _cuda_version_key(home: Path) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", home.name))
+
+
+def find_cuda_toolkit(
+    env: dict | None = None, which=shutil.which, default: Path = _DEFAULT_TOOLKIT
+) -> tuple[Path | None, str]:
+    """(toolkit root, how it was found), or (None, what was tried).
+
+    Order: ``$CUDA_HOME`` / ``$CUDA_PATH``, ``/usr/local/cuda``, the nvcc on PATH (its real
+    path, or the nvcc a wrapper script execs), then the newest ``/usr/local/cuda-*``. A
+    candidate counts only with ``bin/nvcc`` and ``include/cuda_runtime.h``: torch's own guess
+    takes the grandparent of whatever nvcc is on PATH, which for a wrapper in /usr/local/bin
+    is /usr/local, and the CUDA build then fails.
+    """
+    env = os.environ if env is None else env
+    candidates = [(Path(env[name]), f"${name}") for name in _TOOLKIT_ENVS if env.get(name)]
+    candidates.append((default, str(default)))
+    nvcc = which("nvcc")
+    if nvcc:
+        candidates += _toolkits_behind_nvcc(Path(nvcc))
+    versions = sorted(default.parent.glob(default.name + "-*"), key=_cuda_version_key, reverse=True)
+    candidates += [(home, f"newest {default}-*") for home in versions]
+    rejected = []
+    for home, how in candidates:
+        if _is_toolkit(home):
+            skipped = f"; skipped {', '.join(rejected)}: not a toolkit" if rejected else ""
+            return home, how + skipped
+        rejected.append(str(home) if how == str(home) else f"{home} ({how})")
+    missing = "none has bin/nvcc and include/cuda_runtime.h"
+    return None, f"tried {', '.join(rejected)}: {missing}; set CUDA_HOME to the toolkit root"
+
+
+def _use_cuda_toolkit() -> str | None:
+    """Point torch's extension builder at :func:`find_cuda_toolkit`'s toolkit; None when there is
+    none, else a note for the reason. torch reads its module-level CUDA_HOME at build time."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    home, how = find_cuda_toolkit()
+    if home is None:
+        return None
+    cpp_extension.CUDA_HOME = str(home)
+    os.environ["CUDA_HOME"] = str(home)  # nvcc and the linker run in subprocesses
+    return f"toolkit {home} ({how})"
+
+
 def _build_cuda() -> tuple[ModuleType | None, str]:
-    return _load(_CUDA_EXTENSION_NAME, _CUDA_SOURCES, "CUDA extension",
-                 extra_cflags=["-O3", "-fopenmp", "-DWITH_CUDA"], extra_cuda_cflags=["-O3", "-std=c++17"])
+    toolkit = _use_cuda_toolkit()
+    if toolkit is None:
+        return None, f"CUDA extension not built: no CUDA toolkit found ({find_cuda_toolkit()[1]})"
+    module, reason = _load(_CUDA_EXTENSION_NAME, _CUDA_SOURCES, "CUDA extension",
+                           extra_cflags=["-O3", "-fopenmp", "-DWITH_CUDA"], extra_cuda_cflags=["-O3", "-std=c++17"])
+    return module, f"{reason}; {toolkit}"
 
 
 def cuda_extension() -> ModuleType | None:
@@ -221,18 +313,17 @@ def precompile() -> int:
     """Build every extension this machine can build into torch's extension cache; 0 if all built.
 
     For the Docker image build, where no GPU is needed: the CUDA extension is built when torch
-    is a CUDA build and nvcc is found, for ``TORCH_CUDA_ARCH_LIST`` (default
-    ``DOCKER_CUDA_ARCHS``). Keep the same ``TORCH_CUDA_ARCH_LIST`` and ``TORCH_EXTENSIONS_DIR``
+    is a CUDA build and :func:`find_cuda_toolkit` finds a toolkit, for
+    ``TORCH_CUDA_ARCH_LIST`` (default ``DOCKER_CUDA_ARCHS``). Keep the same ``TORCH_CUDA_ARCH_LIST`` and ``TORCH_EXTENSIONS_DIR``
     in the running container, or the first call rebuilds for the local GPU.
     """
-    from torch.utils.cpp_extension import CUDA_HOME
-
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DOCKER_CUDA_ARCHS)
     results = [("cpu", *_build())]
-    if torch.version.cuda is not None and CUDA_HOME is not None:
+    home, how = find_cuda_toolkit()
+    if torch.version.cuda is not None and home is not None:
         results.append(("cuda", *_build_cuda()))
     else:
-        print("cuda: skipped (torch is a CPU build or nvcc is missing)")
+        print(f"cuda: skipped (torch {torch.__version__} is a CPU build, or no CUDA toolkit: {how})")
     for name, module, reason in results:
         print(f"{name}: {reason}")
     return 0 if all(module is not None for _, module, _ in results) else 1

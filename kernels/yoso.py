@@ -157,11 +157,13 @@ def lsh_weighted_cumulate(
 
 class Kernels(NamedTuple):
     """One backend's implementations: ``codes(x̂, num_hashes, hash_bits, seed, fast_hash)``
-    → (B, H, m, N) int32 equal to :func:`hash_codes`, plus the two cumulations."""
+    → (B, H, m, N) int32 equal to :func:`hash_codes`, plus the two cumulations.
+    ``half_values``: the cumulations read fp16/bf16 v as they are (summing in fp32)."""
 
     codes: Callable
     cumulate: Callable
     weighted: Callable
+    half_values: bool = False
 
 
 def _torch_codes(x, num_hashes, hash_bits, seed, fast_hash):
@@ -191,8 +193,9 @@ def _kernels(backend: str, device: torch.device) -> Kernels:
             return torch_kernels
         if device.type != "cuda":
             raise ValueError(f"backend 'cuda' needs CUDA tensors, got device {device}")
-        # the binding routes CUDA tensors to the CUDA kernels
-        return Kernels(_cpp_codes(ext), ext.lsh_cumulate, ext.lsh_weighted_cumulate)
+        from ._cuda import cuda_ops
+
+        return Kernels(*cuda_ops(ext, _cpp_codes(ext)), half_values=True)
     if backend == "torch" or device.type != "cpu" and backend == "auto":
         return torch_kernels
     ext = _build.cpu_extension()
@@ -209,8 +212,8 @@ class YosoLSHFn(torch.autograd.Function):
     """B(q̂, k̂)·V from fixed hash codes, with the paper's LSH-estimated backward.
 
     forward(q, k, v, q_codes, k_codes, hash_bits, kernels): q, k: (BH, N, D) fp32 unit rows,
-    v: (BH, N, Dv) fp32 contiguous, codes: (BH, m, N) int32 (negative = masked), kernels: the
-    :class:`Kernels` from :func:`_kernels` → (BH, N, Dv) fp32.
+    v: (BH, N, Dv) fp32 contiguous (fp16/bf16 too with ``kernels.half_values``), codes: (BH, m, N)
+    int32 (negative = masked), kernels: the :class:`Kernels` from :func:`_kernels` → (BH, N, Dv) fp32.
     """
 
     @staticmethod
@@ -319,8 +322,8 @@ def _check_args(q, k, v, key_mask, num_hashes, hash_bits, seed, backend) -> None
         raise ValueError("key_mask must be bool or hold only 0 and 1")
 
 
-def _prepare(q, k, v, key_mask):
-    """Unit q̂, k̂ and fp32 v flattened to (BH, N, D), and keep (BH, N) fp32 0/1."""
+def _prepare(q, k, v, key_mask, half_values=False):
+    """Unit q̂, k̂ and fp32 v (in its dtype with half_values), and keep (BH, N) fp32 0/1."""
     batch, heads, length, _ = q.shape
     keep = torch.ones(batch, length, dtype=torch.float32, device=q.device)
     if key_mask is not None:
@@ -328,7 +331,7 @@ def _prepare(q, k, v, key_mask):
     keep = keep[:, None, :].expand(batch, heads, length).reshape(batch * heads, length)
     q_hat = F.normalize(q.float(), dim=-1)
     k_hat = F.normalize(k.float(), dim=-1)
-    return q_hat, k_hat, v.float(), keep
+    return q_hat, k_hat, v if half_values else v.float(), keep
 
 
 def yoso_attention(
@@ -360,8 +363,9 @@ def yoso_attention(
     if exact_backward not in EXACT_BACKWARDS:
         raise ValueError(f"exact_backward must be one of {EXACT_BACKWARDS}, got {exact_backward!r}")
     batch, heads, length, dim = q.shape
-    q_hat, k_hat, values, keep = _prepare(q, k, v, key_mask)
     kernels = _kernels(backend, q.device)  # an unavailable backend fails in every mode, before any work
+    lsh = not exact and num_hashes > 0
+    q_hat, k_hat, values, keep = _prepare(q, k, v, key_mask, half_values=lsh and kernels.half_values)
     flat = (batch * heads, length, dim)
     # the C++ kernels take contiguous (BH, N, D) rows; a transposed (B, N, H, D) input is not
     q_flat, k_flat, v_flat = (t.reshape(flat).contiguous() for t in (q_hat, k_hat, values))

@@ -41,10 +41,10 @@ void check_codes_range(const torch::Tensor& codes, const char* name, int64_t buc
               " allows codes below 2^hash_bits = ", buckets, " (negative codes mean masked)");
 }
 
-// The shape rules both devices share, once rank, dtype and device are checked, then the codes'
-// range; returns the bucket count 2^hash_bits.
+// The shape rules both devices share, once rank, dtype and device are checked, then (unless
+// check_range is false) the codes' range; returns the bucket count 2^hash_bits.
 int64_t check_codes_against_values(const torch::Tensor& q_codes, const torch::Tensor& k_codes, const torch::Tensor& v,
-                                   int64_t hash_bits) {
+                                   int64_t hash_bits, bool check_range = true) {
   TORCH_CHECK(q_codes.size(0) == k_codes.size(0) && k_codes.size(0) == v.size(0),
               "batch*heads must match: q_codes (BH, m, Nq) ", q_codes.sizes(), ", k_codes (BH, m, Nk) ",
               k_codes.sizes(), ", v (BH, Nk, Dv) ", v.sizes());
@@ -55,6 +55,7 @@ int64_t check_codes_against_values(const torch::Tensor& q_codes, const torch::Te
               " vs v (BH, Nk, Dv) ", v.sizes());
   TORCH_CHECK(k_codes.size(2) < (int64_t(1) << 31), "Nk must be below 2^31, got ", k_codes.size(2));
   const int64_t buckets = int64_t(1) << hash_bits;
+  if (!check_range) return buckets;
   check_codes_range(q_codes, "q_codes", buckets, hash_bits);
   check_codes_range(k_codes, "k_codes", buckets, hash_bits);
   return buckets;
@@ -102,8 +103,11 @@ YosoDtype cuda_float_dtype(const torch::Tensor& t, const char* name) {
 
 void check_cuda_call(const char* err) { TORCH_CHECK(err == nullptr, "YOSO CUDA kernel: ", err); }
 
+// check_codes=false skips the codes' range check, the one check that reads device memory
+// (codes.max().item() waits for the GPU and cannot be captured in a CUDA graph). The kernels
+// never index out of bounds either way: they treat a code >= 2^hash_bits like a masked one.
 YosoCumulateParams check_common_cuda(const torch::Tensor& q_codes, const torch::Tensor& k_codes,
-                                     const torch::Tensor& v, int64_t hash_bits) {
+                                     const torch::Tensor& v, int64_t hash_bits, bool check_codes) {
   TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
               hash_bits);
   check_cuda_tensor(v, "v", 3, v);
@@ -112,7 +116,7 @@ YosoCumulateParams check_common_cuda(const torch::Tensor& q_codes, const torch::
   TORCH_CHECK(q_codes.scalar_type() == at::kInt, "q_codes must be int32, got ", c10::toString(q_codes.scalar_type()));
   TORCH_CHECK(k_codes.scalar_type() == at::kInt, "k_codes must be int32, got ", c10::toString(k_codes.scalar_type()));
   TORCH_CHECK(q_codes.size(2) < (int64_t(1) << 31), "Nq must be below 2^31, got ", q_codes.size(2));
-  check_codes_against_values(q_codes, k_codes, v, hash_bits);
+  check_codes_against_values(q_codes, k_codes, v, hash_bits, check_codes);
   YosoCumulateParams p{};
   p.q_codes = q_codes.data_ptr<int32_t>();
   p.k_codes = k_codes.data_ptr<int32_t>();
@@ -132,9 +136,9 @@ torch::Tensor cuda_workspace(size_t bytes, const torch::Tensor& like) {
 }
 
 torch::Tensor lsh_cumulate_cuda(const torch::Tensor& q_codes, const torch::Tensor& k_codes, const torch::Tensor& v,
-                                int64_t hash_bits, bool deterministic) {
+                                int64_t hash_bits, bool deterministic, bool check_codes) {
   const c10::cuda::CUDAGuard guard(v.device());
-  YosoCumulateParams p = check_common_cuda(q_codes, k_codes, v, hash_bits);
+  YosoCumulateParams p = check_common_cuda(q_codes, k_codes, v, hash_bits, check_codes);
   torch::Tensor out = torch::empty({p.bh, p.nq, p.dv}, v.options().dtype(at::kFloat));
   p.out = out.data_ptr<float>();
   p.deterministic = deterministic;
@@ -146,9 +150,9 @@ torch::Tensor lsh_cumulate_cuda(const torch::Tensor& q_codes, const torch::Tenso
 
 torch::Tensor lsh_weighted_cumulate_cuda(const torch::Tensor& q_codes, const torch::Tensor& k_codes,
                                          const torch::Tensor& q_w, const torch::Tensor& k_w, const torch::Tensor& v,
-                                         int64_t hash_bits) {
+                                         int64_t hash_bits, bool check_codes) {
   const c10::cuda::CUDAGuard guard(v.device());
-  YosoCumulateParams p = check_common_cuda(q_codes, k_codes, v, hash_bits);
+  YosoCumulateParams p = check_common_cuda(q_codes, k_codes, v, hash_bits, check_codes);
   check_cuda_tensor(q_w, "q_w", 3, v);
   check_cuda_tensor(k_w, "k_w", 3, v);
   TORCH_CHECK(q_w.scalar_type() == v.scalar_type() && k_w.scalar_type() == v.scalar_type(),
@@ -230,7 +234,7 @@ torch::Tensor lsh_cumulate(const torch::Tensor& q_codes, const torch::Tensor& k_
                            int64_t hash_bits) {
 #ifdef WITH_CUDA
   if (v.is_cuda())
-    return lsh_cumulate_cuda(q_codes, k_codes, v, hash_bits, at::globalContext().deterministicAlgorithms());
+    return lsh_cumulate_cuda(q_codes, k_codes, v, hash_bits, at::globalContext().deterministicAlgorithms(), true);
 #endif
   yoso::CumulateParams p = check_common(q_codes, k_codes, v, hash_bits);
   torch::Tensor out = torch::zeros({p.bh, p.nq, p.dv}, v.options());
@@ -244,7 +248,7 @@ torch::Tensor lsh_weighted_cumulate(const torch::Tensor& q_codes, const torch::T
                                     const torch::Tensor& q_w, const torch::Tensor& k_w, const torch::Tensor& v,
                                     int64_t hash_bits) {
 #ifdef WITH_CUDA
-  if (v.is_cuda()) return lsh_weighted_cumulate_cuda(q_codes, k_codes, q_w, k_w, v, hash_bits);
+  if (v.is_cuda()) return lsh_weighted_cumulate_cuda(q_codes, k_codes, q_w, k_w, v, hash_bits, true);
 #endif
   yoso::CumulateParams p = check_common(q_codes, k_codes, v, hash_bits);
   check_tensor(q_w, "q_w", at::kFloat, 3);
@@ -313,13 +317,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
 #ifdef WITH_CUDA
   m.def("lsh_cumulate_cuda", &lsh_cumulate_cuda,
-        "(q_codes, k_codes, v, hash_bits, deterministic=False) -> (BH, Nq, Dv) fp32 on v's CUDA device",
+        "(q_codes, k_codes, v, hash_bits, deterministic=False, check_codes=True) -> (BH, Nq, Dv) fp32 on v's "
+        "CUDA device; check_codes=False: no host sync (codes >= 2^hash_bits then count as masked)",
         py::arg("q_codes"), py::arg("k_codes"), py::arg("v"), py::arg("hash_bits"), py::arg("deterministic") = false,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("check_codes") = true, py::call_guard<py::gil_scoped_release>());
   m.def("lsh_weighted_cumulate_cuda", &lsh_weighted_cumulate_cuda,
-        "(q_codes, k_codes, q_w, k_w, v, hash_bits) -> (BH, Nq, Dv) fp32 on v's CUDA device (deterministic)",
+        "(q_codes, k_codes, q_w, k_w, v, hash_bits, check_codes=True) -> (BH, Nq, Dv) fp32 on v's CUDA device "
+        "(deterministic); check_codes=False: no host sync",
         py::arg("q_codes"), py::arg("k_codes"), py::arg("q_w"), py::arg("k_w"), py::arg("v"), py::arg("hash_bits"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("check_codes") = true, py::call_guard<py::gil_scoped_release>());
   m.def("hash_pack_cuda", &hash_pack_cuda, "(proj (BH, N, m*tau) fp32, num_hashes, hash_bits) -> (BH, m, N) int32",
         py::arg("proj"), py::arg("num_hashes"), py::arg("hash_bits"), py::call_guard<py::gil_scoped_release>());
   m.def("hash_rotate_cuda", &hash_rotate_cuda,

@@ -3,11 +3,12 @@
 //
 //   out[i] = (1/m) sum_h sum_j [k_codes[h,j] == q_codes[h,i]] v[j]
 //
-// Per group of hashes that fits the scratch budget:
+// Per pass (a group of hashes for a slice of batch*head rows that fits the scratch budget; the
+// group size never depends on batch*head, see plan() in yoso_cuda_common.cuh):
 //   1. bucket tables T[bh, h, code, :] = sum of v over the keys with that code, built
 //      - in shared memory with shared atomics when 2^tau rows of a column chunk fit, else
-//      - in global memory with global atomics, or
-//      - (deterministic) by a stable bucket sort of the keys and an in-order sum per bucket;
+//      - (deterministic, or tau too large for shared memory) by a stable bucket sort of the
+//        keys and an in-order sum per bucket; these tables have min(2^tau, Nk) rows;
 //   2. a gather: one warp per query sums T[bh, h, q_code[h], :] over the group's hashes in
 //      increasing h — no atomics, every output row has one writer.
 // The weighted cumulation is in yoso_cuda_weighted.cu, the hash codes in yoso_cuda_hash.cu.
@@ -16,18 +17,17 @@
 
 namespace {
 
-constexpr int kMinSmemCols = 8;  // narrower shared-memory tables lose to global atomics
-
-// ---- forward: bucket tables (sets, nb, dv) fp32 ----
+// ---- forward: bucket tables (sets, table_rows, dv) fp32 ----
 
 struct TableArgs {
   const int32_t* k_codes;
   const void* v;
   float* tables;
-  const int32_t* perm;     // deterministic build only
-  const int32_t* offsets;  // deterministic build only
-  int64_t m, nk, dv, h0, group, sets;
+  const int32_t* perm;     // sorted build only
+  const int32_t* offsets;  // sorted build only
+  int64_t m, nk, dv, h0, group, sets, table_rows;
   int nb, chunk;  // chunk: table columns per block (shared-memory build)
+  bool packed;    // sorted build with Nk < 2^tau: a bucket's table row is its start in perm
 };
 
 template <typename T>
@@ -57,57 +57,76 @@ __global__ void __launch_bounds__(kThreads) table_smem_kernel(TableArgs a) {
   for (int i = threadIdx.x; i < a.nb * width; i += kThreads) out[int64_t(i / width) * a.dv + i % width] = tab[i];
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) table_global_kernel(TableArgs a) {
-  const int64_t total = a.sets * a.nk * a.dv;
-  for (int64_t idx = blockIdx.x * int64_t(kThreads) + threadIdx.x; idx < total;
-       idx += int64_t(gridDim.x) * kThreads) {
-    const int64_t d = idx % a.dv, j = (idx / a.dv) % a.nk, set = idx / (a.dv * a.nk);
-    const int64_t bh = set / a.group, hs = set % a.group;
-    const int c = a.k_codes[(bh * a.m + a.h0 + hs) * a.nk + j];
-    if (!live(c, a.nb)) continue;
-    atomicAdd(&a.tables[(set * a.nb + c) * a.dv + d], load(static_cast<const T*>(a.v), (bh * a.nk + j) * a.dv + d));
-  }
-}
-
-// One warp per bucket sums its keys in sorted (= index) order: no atomics, fixed order.
+// One warp per bucket sums its keys in sorted (= index) order: no atomics, fixed order. Warps
+// walk the 2^tau buckets, or (packed) the Nk positions of perm, where the warp at a bucket's
+// first key serves it and writes table row = that position: rows never outnumber the keys.
+// Empty buckets write nothing; the gather reads the offsets and skips them.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) table_sorted_kernel(TableArgs a) {
-  const int64_t blocks_per_set = (a.nb + kWarps - 1) / kWarps;
-  const int64_t set = blockIdx.x / blocks_per_set, bh = set / a.group;
-  const int b = static_cast<int>((blockIdx.x % blocks_per_set) * kWarps + threadIdx.x / 32);
-  if (b >= a.nb) return;
+  const int64_t item = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32;
+  if (item >= a.sets * a.table_rows) return;
+  const int64_t set = item / a.table_rows, t = item % a.table_rows, bh = set / a.group, hs = set % a.group;
   const int32_t* perm = a.perm + set * a.nk;
   const int32_t* off = a.offsets + set * (a.nb + 1);
+  int64_t first, last;
+  if (a.packed) {
+    if (t >= off[a.nb]) return;  // past the live (unmasked) keys
+    const int32_t* codes = a.k_codes + (bh * a.m + a.h0 + hs) * a.nk;
+    const int c = codes[perm[t]];
+    if (t > 0 && codes[perm[t - 1]] == c) return;  // not the first key of its bucket
+    first = t;
+    last = off[c + 1];
+  } else {
+    first = off[t];
+    last = off[t + 1];
+    if (first == last) return;
+  }
   const T* v = static_cast<const T*>(a.v) + bh * a.nk * a.dv;
-  float* row = a.tables + (set * a.nb + b) * a.dv;
+  float* row = a.tables + (set * a.table_rows + t) * a.dv;
   for (int64_t d = threadIdx.x % 32; d < a.dv; d += 32) {
     float acc = 0.f;
-    for (int p = off[b]; p < off[b + 1]; ++p) acc += load(v, int64_t(perm[p]) * a.dv + d);
+    for (int64_t p = first; p < last; ++p) acc += load(v, int64_t(perm[p]) * a.dv + d);
     row[d] = acc;
   }
 }
 
-// One warp per query: out = (first group ? 0 : out) + scale * sum over the group's hashes.
-__global__ void __launch_bounds__(kThreads) gather_kernel(const int32_t* q_codes, const float* tables, float* out,
-                                                          int64_t bh_count, int64_t m, int64_t nq, int64_t dv,
-                                                          int64_t h0, int64_t group, int nb, float scale,
-                                                          bool first) {
+struct GatherArgs {
+  const int32_t* q_codes;
+  const float* tables;
+  const int32_t* offsets;  // sorted tables: bucket bounds (empty buckets have no row); else null
+  float* out;
+  int64_t bh, m, nq, dv, h0, group, table_rows;
+  int nb;
+  bool packed;
+  float scale;
+  bool first;  // the first pass stores, later passes add
+};
+
+// One warp per query: out = (first pass ? 0 : out) + scale * sum over the group's hashes.
+__global__ void __launch_bounds__(kThreads) gather_kernel(GatherArgs a) {
   const int64_t row = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32;
-  if (row >= bh_count * nq) return;
-  const int64_t bh = row / nq, i = row % nq;
+  if (row >= a.bh * a.nq) return;
+  const int64_t bh = row / a.nq, i = row % a.nq;
   const int lane = threadIdx.x % 32;
-  const int32_t* codes = q_codes + (bh * m + h0) * nq + i;
-  const float* sets = tables + bh * group * nb * dv;
-  float* o = out + row * dv;
-  for (int64_t d = lane; d < dv; d += 32) {
+  const int32_t* codes = a.q_codes + (bh * a.m + a.h0) * a.nq + i;
+  const float* sets = a.tables + bh * a.group * a.table_rows * a.dv;
+  const int32_t* off = a.offsets ? a.offsets + bh * a.group * (a.nb + 1) : nullptr;
+  const int64_t nb = a.nb, dv = a.dv;
+  float* o = a.out + row * a.dv;
+  for (int64_t d = lane; d < a.dv; d += 32) {
     float acc = 0.f;
 #pragma unroll 4
-    for (int64_t hs = 0; hs < group; ++hs) {
-      const int c = codes[hs * nq];
-      if (live(c, nb)) acc += sets[(hs * nb + c) * dv + d];
+    for (int64_t hs = 0; hs < a.group; ++hs) {
+      int64_t c = codes[hs * a.nq];
+      if (!live(static_cast<int>(c), a.nb)) continue;
+      if (off) {
+        const int32_t start = off[hs * (nb + 1) + c];
+        if (start == off[hs * (nb + 1) + c + 1]) continue;  // no key in this bucket
+        if (a.packed) c = start;
+      }
+      acc += sets[(hs * a.table_rows + c) * dv + d];
     }
-    o[d] = first ? scale * acc : o[d] + scale * acc;
+    o[d] = a.first ? a.scale * acc : o[d] + a.scale * acc;
   }
 }
 
@@ -119,31 +138,28 @@ const char* cumulate(const YosoCumulateParams& p, cudaStream_t stream) {
   float* tables = reinterpret_cast<float*>(ws);
   int32_t* perm = reinterpret_cast<int32_t*>(ws + l.tables);
   int32_t* offsets = reinterpret_cast<int32_t*>(ws + l.tables + l.perm_k);
-  int32_t* cursors = l.cursors ? reinterpret_cast<int32_t*>(ws + l.tables + l.perm_k + l.offsets) : nullptr;
-  // Shared-memory tables pay off only while a block covers a useful slice of the columns;
-  // past that (tau >= 11 at 48 KiB) the table goes to global memory with global atomics.
-  const int smem_cols = static_cast<int>(std::min<int64_t>(p.dv, kStaticSmem / (sizeof(float) * nb)));
-  const int chunk = smem_cols >= 32 ? smem_cols / 32 * 32
-                                     : (smem_cols >= std::min<int64_t>(p.dv, kMinSmemCols) ? smem_cols : 0);
-  for (int64_t h0 = 0; h0 < p.m; h0 += l.group) {
-    const int64_t group = std::min<int64_t>(l.group, p.m - h0), sets = p.bh * group;
-    TableArgs a{p.k_codes, p.v, tables, perm, offsets, p.m, p.nk, p.dv, h0, group, sets, nb, chunk};
-    if (p.deterministic) {
-      if (const char* err = sort_codes(p.k_codes, p.bh, p.m, p.nk, h0, group, nb, perm, offsets, cursors, stream))
-        return err;
-      table_sorted_kernel<T><<<blocks_for(sets * ((nb + kWarps - 1) / kWarps), 1), kThreads, 0, stream>>>(a);
-    } else if (chunk > 0) {
-      const int64_t chunks = (p.dv + chunk - 1) / chunk;
-      table_smem_kernel<T><<<blocks_for(sets * chunks, 1), kThreads, size_t(nb) * chunk * sizeof(float), stream>>>(a);
-    } else {
-      if (cudaMemsetAsync(tables, 0, size_t(sets) * nb * p.dv * sizeof(float), stream) != cudaSuccess) return launched();
-      const int64_t blocks = std::min<int64_t>((sets * p.nk * p.dv + kThreads - 1) / kThreads, 1 << 20);
-      table_global_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);  // grid-stride
+  int32_t* cursors = l.cursors ? reinterpret_cast<int32_t*>(ws + l.tables + l.perm_k + l.offsets_k) : nullptr;
+  const int chunk = l.sorted ? 0 : smem_table_cols(p.dv, nb);
+  for (int64_t r0 = 0; r0 < p.bh; r0 += l.rows) {
+    const YosoCumulateParams s = rows_of(p, r0, std::min<int64_t>(l.rows, p.bh - r0), sizeof(T));
+    for (int64_t h0 = 0; h0 < p.m; h0 += l.group) {
+      const int64_t group = std::min<int64_t>(l.group, p.m - h0), sets = s.bh * group;
+      const TableArgs a{s.k_codes, s.v, tables, perm, offsets, p.m, p.nk, p.dv, h0, group, sets, l.table_rows,
+                        nb, chunk, l.packed};
+      if (l.sorted) {
+        if (const char* err = sort_codes(s.k_codes, s.bh, p.m, p.nk, h0, group, nb, perm, offsets, cursors, stream))
+          return err;
+        table_sorted_kernel<T><<<blocks_for(sets * l.table_rows, kWarps), kThreads, 0, stream>>>(a);
+      } else {
+        const int64_t chunks = (p.dv + chunk - 1) / chunk;
+        table_smem_kernel<T><<<blocks_for(sets * chunks, 1), kThreads, size_t(nb) * chunk * sizeof(float), stream>>>(a);
+      }
+      if (const char* err = launched()) return err;
+      const GatherArgs g{s.q_codes, tables, l.sorted ? offsets : nullptr, s.out, s.bh, p.m, p.nq, p.dv, h0, group,
+                         l.table_rows, nb, l.packed, 1.f / float(p.m), h0 == 0};
+      gather_kernel<<<blocks_for(s.bh * p.nq, kWarps), kThreads, 0, stream>>>(g);
+      if (const char* err = launched()) return err;
     }
-    if (const char* err = launched()) return err;
-    gather_kernel<<<blocks_for(p.bh * p.nq, kWarps), kThreads, 0, stream>>>(
-        p.q_codes, tables, p.out, p.bh, p.m, p.nq, p.dv, h0, group, nb, 1.f / float(p.m), h0 == 0);
-    if (const char* err = launched()) return err;
   }
   return nullptr;
 }
@@ -151,6 +167,8 @@ const char* cumulate(const YosoCumulateParams& p, cudaStream_t stream) {
 }  // namespace
 
 size_t yoso_cumulate_workspace_bytes(const YosoCumulateParams& p) { return plan(p, false).total(); }
+
+YosoPlan yoso_cumulate_plan(const YosoCumulateParams& p) { return describe(plan(p, false)); }
 
 const char* yoso_lsh_cumulate(const YosoCumulateParams& p, cudaStream_t stream) {
   if (const char* err = check_params(p)) return err;

@@ -44,6 +44,18 @@ struct YosoCumulateParams {
 size_t yoso_cumulate_workspace_bytes(const YosoCumulateParams& p);
 size_t yoso_weighted_cumulate_workspace_bytes(const YosoCumulateParams& p);
 
+// How a call is cut into passes (host only, no device work; tests and docs read it). The hashes
+// per pass depend on Nq, Nk, Dv, Dw, m and hash_bits, never on bh, so a row's sums are grouped
+// alike alone or in any batch; the scratch budget (256 MiB) is met by taking fewer rows per pass.
+struct YosoPlan {
+  int64_t hashes_per_pass, rows_per_pass;
+  int64_t table_rows;  // rows of one (row, hash) bucket table: 2^tau, or Nk when Nk < 2^tau (sorted)
+  bool sorted;         // bucket tables by the stable sort (deterministic, or 2^tau too big for smem)
+  size_t workspace_bytes;
+};
+YosoPlan yoso_cumulate_plan(const YosoCumulateParams& p);
+YosoPlan yoso_weighted_cumulate_plan(const YosoCumulateParams& p);
+
 const char* yoso_lsh_cumulate(const YosoCumulateParams& p, cudaStream_t stream);
 const char* yoso_lsh_weighted_cumulate(const YosoCumulateParams& p, cudaStream_t stream);
 

@@ -14,7 +14,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr size_t kStaticSmem = 48 * 1024;  // no opt-in needed on any target
-constexpr size_t kWorkspaceBudget = size_t(256) << 20;
+constexpr size_t kWorkspaceBudget = size_t(256) << 20;  // scratch per call, unless one row needs more
 constexpr unsigned kFull = 0xffffffffu;
 
 __device__ __forceinline__ float load(const float* p, int64_t i) { return p[i]; }
@@ -131,32 +131,79 @@ const char* check_params(const YosoCumulateParams& p) {
 }
 
 // Shared-memory cursors of the bucket sort when kWarps rows of 2^tau ints fit.
-bool sort_in_smem(int nb) { return size_t(kWarps) * nb * sizeof(int) <= kStaticSmem; }
+bool sort_in_smem(int64_t nb) { return size_t(kWarps) * nb * sizeof(int) <= kStaticSmem; }
 
+constexpr int kMinSmemCols = 8;  // narrower shared-memory tables lose to the sorted build
+
+// Columns per block of the shared-memory table build (2^tau rows of them fit kStaticSmem), or 0
+// when a useful chunk does not fit (tau >= 11 at D = 64): the sorted build is used then.
+int smem_table_cols(int64_t dv, int64_t nb) {
+  const int64_t fit = std::min<int64_t>(dv, kStaticSmem / (sizeof(float) * nb));
+  if (fit >= 32) return static_cast<int>(fit / 32 * 32);
+  return fit >= std::min<int64_t>(dv, kMinSmemCols) ? static_cast<int>(fit) : 0;
+}
+
+// Scratch of one pass: `rows` batch*head rows times `group` hashes ("sets").
 struct Layout {
-  int64_t group = 1;  // hashes per pass
-  size_t tables = 0, perm_q = 0, perm_k = 0, offsets = 0, cursors = 0;
-  size_t total() const { return tables + perm_q + perm_k + 2 * offsets + cursors; }
+  int64_t group = 1;       // hashes per pass
+  int64_t rows = 1;        // batch*head rows per pass
+  int64_t table_rows = 0;  // rows of one bucket table: 2^tau, or Nk when packed (forward only)
+  bool sorted = false;     // tables by the bucket sort (no atomics), or in shared memory
+  bool packed = false;     // sorted tables with Nk < 2^tau: a bucket's row is its start in perm
+  size_t tables = 0, perm_q = 0, perm_k = 0, offsets_q = 0, offsets_k = 0, cursors = 0;
+  size_t total() const { return tables + perm_q + perm_k + offsets_q + offsets_k + cursors; }
 };
 
+// The hashes per pass come from the shapes alone (Nq, Nk, Dv, tau, m), never from batch*heads:
+// the gather sums each group's hashes in registers and adds groups in order, so the grouping
+// decides the float rounding, and a row must get the same bits alone or in any batch. The
+// budget is then met by taking fewer batch*head rows per pass (rows are independent).
 Layout plan(const YosoCumulateParams& p, bool weighted) {
   const int64_t nb = int64_t(1) << p.hash_bits;
-  const bool sorted = weighted || p.deterministic;
-  auto sized = [&](int64_t g) {
+  const bool sorted = weighted || p.deterministic || smem_table_cols(p.dv, nb) == 0;
+  const bool packed = !weighted && sorted && p.nk < nb;
+  auto sized = [&](int64_t rows, int64_t g) {
     Layout l;
+    l.rows = rows;
     l.group = g;
-    const int64_t sets = p.bh * g;
-    if (!weighted) l.tables = align256(size_t(sets) * nb * p.dv * sizeof(float));
+    l.sorted = sorted;
+    l.packed = packed;
+    const size_t sets = size_t(rows * g);
+    if (!weighted) {
+      l.table_rows = packed ? p.nk : nb;  // Nk >= 1 here: the launcher returns early for Nk = 0
+      l.tables = align256(sets * l.table_rows * p.dv * sizeof(float));
+    }
     if (sorted) {
-      l.perm_k = align256(size_t(sets) * p.nk * sizeof(int32_t));
-      l.perm_q = weighted ? align256(size_t(sets) * p.nq * sizeof(int32_t)) : 0;
-      l.offsets = align256(size_t(sets) * (nb + 1) * sizeof(int32_t));
-      l.cursors = sort_in_smem(static_cast<int>(nb)) ? 0 : align256(size_t(sets) * kWarps * nb * sizeof(int32_t));
+      l.perm_k = align256(sets * p.nk * sizeof(int32_t));
+      l.offsets_k = align256(sets * (nb + 1) * sizeof(int32_t));
+      if (weighted) {
+        l.perm_q = align256(sets * p.nq * sizeof(int32_t));
+        l.offsets_q = l.offsets_k;
+      }
+      l.cursors = sort_in_smem(nb) ? 0 : align256(sets * kWarps * nb * sizeof(int32_t));
     }
     return l;
   };
-  const size_t one = std::max<size_t>(sized(1).total(), 1);
-  return sized(std::max<int64_t>(1, std::min<int64_t>(p.m, kWorkspaceBudget / one)));
+  const size_t per_set = std::max<size_t>(sized(1, 1).total(), 1);
+  const int64_t group = std::max<int64_t>(1, std::min<int64_t>(p.m, kWorkspaceBudget / per_set));
+  const size_t per_row = std::max<size_t>(sized(1, group).total(), 1);
+  const int64_t rows = std::min<int64_t>(p.bh, std::max<int64_t>(1, kWorkspaceBudget / per_row));
+  return sized(rows, group);
+}
+
+YosoPlan describe(const Layout& l) { return YosoPlan{l.group, l.rows, l.table_rows, l.sorted, l.total()}; }
+
+// The params of batch*head rows [r0, r0 + count): every tensor is (bh, ...) contiguous.
+YosoCumulateParams rows_of(const YosoCumulateParams& p, int64_t r0, int64_t count, size_t elem) {
+  YosoCumulateParams s = p;
+  s.q_codes += r0 * p.m * p.nq;
+  s.k_codes += r0 * p.m * p.nk;
+  s.v = static_cast<const char*>(p.v) + r0 * p.nk * p.dv * elem;
+  if (p.q_w) s.q_w = static_cast<const char*>(p.q_w) + r0 * p.nq * p.dw * elem;
+  if (p.k_w) s.k_w = static_cast<const char*>(p.k_w) + r0 * p.nk * p.dw * elem;
+  s.out += r0 * p.nq * p.dv;
+  s.bh = count;
+  return s;
 }
 
 const char* sort_codes(const int32_t* codes, int64_t bh, int64_t m, int64_t n, int64_t h0, int64_t group, int nb,

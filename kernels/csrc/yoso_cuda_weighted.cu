@@ -2,9 +2,9 @@
 //
 //   out[i] = (1/m) sum_h sum_j [codes equal] (q_w[i] . k_w[j]) v[j]
 //
-// One launch per hash; one block per (bh, bucket) owns that bucket's queries, so each output
-// row has one writer per launch and is accumulated hash by hash in increasing h, without
-// atomics: the result is bit-identical from run to run. A bucket is served pairwise (cost
+// One launch per hash; in it one block at a time owns a (bh, bucket) and its queries, so each
+// output row has one writer per launch and is accumulated hash by hash in increasing h, without
+// atomics: the result is bit-identical from run to run and the same alone or in a batch. A bucket is served pairwise (cost
 // nq*nk*(dw+dv), linear in D) when that is cheaper than building its dw x dv table (cost
 // (nq+nk)*dw*dv, quadratic in D but independent of the bucket's pair count).
 
@@ -151,21 +151,27 @@ __device__ void weighted_table(const WeightedArgs& a, int64_t bh, int qs, int qe
   }
 }
 
+// A grid of at most kBlocksPerSm blocks per SM walks the bh * 2^tau buckets (grid-stride):
+// at large tau most buckets are empty, and a block per bucket would mostly launch to exit.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) weighted_kernel(WeightedArgs a) {
-  const int64_t bh = blockIdx.x / a.nb;
-  const int b = static_cast<int>(blockIdx.x % a.nb);
-  const int32_t* qo = a.q_off + (bh * a.group + a.hs) * (a.nb + 1);
-  const int32_t* ko = a.k_off + (bh * a.group + a.hs) * (a.nb + 1);
-  const int qs = qo[b], qe = qo[b + 1], ks = ko[b], ke = ko[b + 1];
-  if (qs == qe || ks == ke) return;  // block-uniform: both paths below use __syncthreads
-  const int64_t pair_cost = int64_t(qe - qs) * (ke - ks) * (a.dw + a.dv);
-  const int64_t table_cost = int64_t(qe - qs + ke - ks) * a.dw * a.dv;
-  if (a.table_cols == 0 || pair_cost <= table_cost)
-    weighted_pairwise<T>(a, bh, qs, qe, ks, ke);
-  else
-    weighted_table<T>(a, bh, qs, qe, ks, ke);
+__global__ void __launch_bounds__(kThreads) weighted_kernel(WeightedArgs a, int64_t buckets) {
+  for (int64_t item = blockIdx.x; item < buckets; item += gridDim.x) {
+    const int64_t bh = item / a.nb;
+    const int b = static_cast<int>(item % a.nb);
+    const int32_t* qo = a.q_off + (bh * a.group + a.hs) * (a.nb + 1);
+    const int32_t* ko = a.k_off + (bh * a.group + a.hs) * (a.nb + 1);
+    const int qs = qo[b], qe = qo[b + 1], ks = ko[b], ke = ko[b + 1];
+    if (qs == qe || ks == ke) continue;  // block-uniform: both paths below use __syncthreads
+    const int64_t pair_cost = int64_t(qe - qs) * (ke - ks) * (a.dw + a.dv);
+    const int64_t table_cost = int64_t(qe - qs + ke - ks) * a.dw * a.dv;
+    if (a.table_cols == 0 || pair_cost <= table_cost)
+      weighted_pairwise<T>(a, bh, qs, qe, ks, ke);
+    else
+      weighted_table<T>(a, bh, qs, qe, ks, ke);  // ends on a barrier: the next bucket may reuse smem
+  }
 }
+
+constexpr int64_t kBlocksPerSm = 64;
 
 size_t weighted_smem(int64_t dw, int64_t cols) {
   return size_t(dw * cols + kKeyTile * dw + kKeyTile * cols + kQueryTile * (dw + 1)) * sizeof(float);
@@ -187,22 +193,32 @@ const char* weighted(const YosoCumulateParams& p, cudaStream_t stream) {
   int32_t* q_perm = reinterpret_cast<int32_t*>(ws);
   int32_t* k_perm = reinterpret_cast<int32_t*>(ws + l.perm_q);
   int32_t* q_off = reinterpret_cast<int32_t*>(ws + l.perm_q + l.perm_k);
-  int32_t* k_off = reinterpret_cast<int32_t*>(ws + l.perm_q + l.perm_k + l.offsets);
-  int32_t* cursors = l.cursors ? reinterpret_cast<int32_t*>(ws + l.perm_q + l.perm_k + 2 * l.offsets) : nullptr;
+  int32_t* k_off = reinterpret_cast<int32_t*>(ws + l.perm_q + l.perm_k + l.offsets_q);
+  int32_t* cursors =
+      l.cursors ? reinterpret_cast<int32_t*>(ws + l.perm_q + l.perm_k + l.offsets_q + l.offsets_k) : nullptr;
   const int cols = weighted_table_cols(p.dw, p.dv);
   const size_t smem = cols > 0 ? weighted_smem(p.dw, cols) : 0;
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return launched();
   if (cudaMemsetAsync(p.out, 0, size_t(p.bh) * p.nq * p.dv * sizeof(float), stream) != cudaSuccess) return launched();
-  for (int64_t h0 = 0; h0 < p.m; h0 += l.group) {
-    const int64_t group = std::min<int64_t>(l.group, p.m - h0);
-    if (const char* err = sort_codes(p.q_codes, p.bh, p.m, p.nq, h0, group, nb, q_perm, q_off, cursors, stream))
-      return err;
-    if (const char* err = sort_codes(p.k_codes, p.bh, p.m, p.nk, h0, group, nb, k_perm, k_off, cursors, stream))
-      return err;
-    for (int64_t hs = 0; hs < group; ++hs) {
-      const WeightedArgs a{p.q_w, p.k_w, p.v, p.out, q_perm, q_off, k_perm, k_off, p.nq, p.nk, p.dw, p.dv,
-                           group, hs, nb, cols, 1.f / float(p.m)};
-      weighted_kernel<T><<<blocks_for(p.bh * nb, 1), kThreads, smem, stream>>>(a);
-      if (const char* err = launched()) return err;
+  for (int64_t r0 = 0; r0 < p.bh; r0 += l.rows) {
+    const YosoCumulateParams s = rows_of(p, r0, std::min<int64_t>(l.rows, p.bh - r0), sizeof(T));
+    const int64_t buckets = s.bh * nb;
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(buckets, kBlocksPerSm * std::max(sms, 1)));
+    for (int64_t h0 = 0; h0 < p.m; h0 += l.group) {
+      const int64_t group = std::min<int64_t>(l.group, p.m - h0);
+      if (const char* err = sort_codes(s.q_codes, s.bh, p.m, p.nq, h0, group, nb, q_perm, q_off, cursors, stream))
+        return err;
+      if (const char* err = sort_codes(s.k_codes, s.bh, p.m, p.nk, h0, group, nb, k_perm, k_off, cursors, stream))
+        return err;
+      for (int64_t hs = 0; hs < group; ++hs) {
+        const WeightedArgs a{s.q_w, s.k_w, s.v, s.out, q_perm, q_off, k_perm, k_off, p.nq, p.nk, p.dw, p.dv,
+                             group, hs, nb, cols, 1.f / float(p.m)};
+        weighted_kernel<T><<<grid, kThreads, smem, stream>>>(a, buckets);
+        if (const char* err = launched()) return err;
+      }
     }
   }
   return nullptr;
@@ -211,6 +227,8 @@ const char* weighted(const YosoCumulateParams& p, cudaStream_t stream) {
 }  // namespace
 
 size_t yoso_weighted_cumulate_workspace_bytes(const YosoCumulateParams& p) { return plan(p, true).total(); }
+
+YosoPlan yoso_weighted_cumulate_plan(const YosoCumulateParams& p) { return describe(plan(p, true)); }
 
 const char* yoso_lsh_weighted_cumulate(const YosoCumulateParams& p, cudaStream_t stream) {
   if (const char* err = check_params(p)) return err;

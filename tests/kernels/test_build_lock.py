@@ -69,3 +69,22 @@ def test_a_bad_build_timeout_is_refused_by_name(value, monkeypatch):
     monkeypatch.setenv(_build.BUILD_TIMEOUT_ENV, value)
     with pytest.raises(ValueError, match="YOSO_KERNEL_BUILD_TIMEOUT"):
         _build._build()
+
+
+
+def test_torchs_own_os_lock_file_is_left_alone(tmp_path, monkeypatch, caplog):
+    """torch >= 2.14 keeps ``lock`` after every build as an OS-level FileLock: not stale, never
+    removed, no warning (else every start would claim a killed build)."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    build = tmp_path / "yoso_serve_cpu"
+    build.mkdir()
+    (build / "lock").touch()
+    with caplog.at_level("WARNING", logger="yoso_serve.kernels"):
+        with _build._exclusive_build(build, 1.0, torch_lock_is_a_file=False) as removed:
+            assert removed is False
+    assert (build / "lock").exists() and not caplog.records
+    monkeypatch.setattr(cpp_extension, "FileLock", object, raising=False)
+    assert _build._torch_lock_is_a_file() is False
+    monkeypatch.delattr(cpp_extension, "FileLock")
+    assert _build._torch_lock_is_a_file() is True  # torch 2.13's FileBaton: the file is the lock

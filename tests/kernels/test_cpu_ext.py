@@ -271,6 +271,7 @@ def test_backend_info_reports_the_extension(ext):
         "openmp_threads": torch.get_num_threads(),
         "cuda": False,
         "cuda_reason": "torch sees no CUDA device",
+        "cuda_toolkit": info["cuda_toolkit"],  # tests/kernels/test_cuda_toolkit.py checks it
     }
     assert "built and loaded" in info["reason"]
 

@@ -2,11 +2,13 @@
 
 Runs only where torch sees a GPU (marker ``cuda``; skipped cleanly elsewhere). On such a
 machine the CUDA extension ships with the project, so a failed build FAILS these tests.
-Matrix: exact-oracle equality for fixed codes on every table path (shared memory, global
-atomics, sorted/deterministic, hash groups), the weighted cumulation on both of its bucket
-schemes, fp16/bf16 inputs, masks, batch invariance, bit-identical deterministic mode, the
-hash kernels (the rotation equals hash_codes_ref bit for bit), expectation convergence,
-gradients through yoso_attention(backend="cuda"), and compute-sanitizer on a small case.
+Matrix: exact-oracle equality for fixed codes on every table path (shared memory; sorted, for
+deterministic mode or τ ≥ 11, with packed tables when Nk < 2^τ; hash groups), the weighted
+cumulation on both of its bucket schemes, fp16/bf16 inputs, masks, batch invariance (also above
+the scratch budget), bit-identical deterministic mode, out-of-range codes with and without the
+check, no host sync (sync debug mode, CUDA-graph capture), the hash kernels (the rotation equals
+hash_codes_ref bit for bit), expectation convergence, gradients through
+yoso_attention(backend="cuda") in fp32/fp16/bf16, and compute-sanitizer on a small case.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import textwrap
 import pytest
 import torch
 
-from yoso_serve.kernels import _build, hash_codes, hash_codes_ref, hashing, yoso_attention
+from yoso_serve.kernels import _build, hash_codes, hash_codes_ref, hashing, yoso_attention, yoso_attention_ref
 from yoso_serve.kernels.yoso import lsh_cumulate, lsh_weighted_cumulate
 
 pytestmark = [
@@ -57,8 +59,9 @@ def cuda(*tensors):
     return tuple(t.cuda() for t in tensors)
 
 
-# (BH, m, Nq, Nk, Dv, hash_bits, masked fraction). τ ≤ 10: shared-memory tables; τ = 13:
-# global atomics; τ = 16 with m = 9: more tables than one group holds (hash groups);
+# (BH, m, Nq, Nk, Dv, hash_bits, masked fraction). τ ≤ 10: shared-memory tables; τ = 13 and 16:
+# sorted tables packed to Nk rows (Nk < 2^τ); τ = 11 with Nk > 2^τ: sorted, one row per bucket;
+# τ = 16 with m = 9: global sort cursors;
 # N = 1, 137 (no multiple of 8), Dv = 33, 48, 200 (> 128 columns per lane loop).
 CUMULATE_CASES = [
     (1, 1, 1, 1, 1, 1, 0.0),
@@ -66,6 +69,7 @@ CUMULATE_CASES = [
     (2, 3, 1, 300, 64, 4, 0.0),
     (2, 5, 64, 64, 200, 2, 0.3),
     (1, 2, 257, 513, 33, 13, 0.1),
+    (1, 2, 100, 3000, 16, 11, 0.1),
     (2, 9, 50, 70, 64, 16, 0.0),
     (1, 7, 5, 300, 48, 3, 0.9),
 ]
@@ -163,6 +167,63 @@ def test_batch_invariance_bit_exact(ext):
         assert torch.equal(ext.lsh_weighted_cumulate_cuda(*cuda(*one), 4)[0], weighted[row])
 
 
+def test_batch_invariance_above_the_budget(ext):
+    """bh = 300 rows at τ = 8, Dv = 64, m = 32: the hashes per pass once came from the scratch
+    budget divided by bh (32 for one row, 13 for 300), so a row's bits changed with its batch."""
+    gen = torch.Generator().manual_seed(12)
+    bh, m, n, bits = 300, 32, 333, 8
+    q_codes, k_codes = random_codes(gen, bh, m, n, bits, 0.1), random_codes(gen, bh, m, n, bits, 0.1)
+    v = torch.randn(bh, n, 64, generator=gen)
+    batch = ext.lsh_cumulate_cuda(*cuda(q_codes, k_codes, v), bits, True)
+    close(batch, lsh_cumulate(q_codes, k_codes, v, bits))
+    for row in (0, 157, 299):
+        one = ext.lsh_cumulate_cuda(*cuda(q_codes[row : row + 1], k_codes[row : row + 1], v[row : row + 1]), bits, True)
+        assert torch.equal(one[0], batch[row]), row
+
+
+def test_out_of_range_codes_are_refused_by_default_and_ignored_without_the_check(ext):
+    """check_codes=True (default) is the CPU's error; check_codes=False (the op's hot path: no
+    host sync) treats a code ≥ 2^τ like a masked one instead of reading out of bounds."""
+    gen = torch.Generator().manual_seed(13)
+    q_codes, k_codes = random_codes(gen, 2, 4, 60, 3, 0.0), random_codes(gen, 2, 4, 70, 3, 0.0)
+    v, w = torch.randn(2, 70, 16, generator=gen), torch.randn(2, 70, 8, generator=gen)
+    bad = k_codes.clone()
+    bad[1, 2, 5] = 1 << 3
+    with pytest.raises(RuntimeError, match="hash_bits=3 allows codes below 2\\^hash_bits = 8"):
+        ext.lsh_cumulate_cuda(*cuda(q_codes, bad, v), 3)
+    masked = bad.masked_fill(bad >= 8, -1)
+    for det in (False, True):
+        got = ext.lsh_cumulate_cuda(*cuda(q_codes, bad, v), 3, det, False)
+        close(got, lsh_cumulate(q_codes, masked, v, 3))
+    q_w = torch.randn(2, 60, 8, generator=gen)
+    got = ext.lsh_weighted_cumulate_cuda(*cuda(q_codes, bad, q_w, w, v), 3, False)
+    close(got, lsh_weighted_cumulate(q_codes, masked, q_w, w, v, 3), rtol=2e-5)
+
+
+def test_forward_makes_no_host_sync_and_captures_in_a_cuda_graph(ext):
+    """No codes.max().item(), no finiteness read-back: the fp16 forward runs under
+    torch.cuda.set_sync_debug_mode("error") and replays from a CUDA graph."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.float16, generator=gen) for _ in range(3))
+    mask = torch.ones(2, 300, dtype=torch.bool, device="cuda")
+    mask[1, 250:] = False
+    args = dict(num_hashes=16, hash_bits=8, seed=1, backend="cuda")
+    with torch.no_grad():
+        expected = yoso_attention(q, k, v, mask, **args)  # warm-up: projections and signs cached on the GPU
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yoso_attention(q, k, v, mask, **args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = yoso_attention(q, k, v, mask, **args)
+    graph.replay()
+    torch.cuda.synchronize()
+    close(captured.float(), expected.float(), rtol=2e-3)
+
+
 def test_deterministic_mode_is_bit_identical(ext):
     """Heavy collisions (τ=2, 8k keys) are where atomics reorder sums; the sorted path must not."""
     gen = torch.Generator().manual_seed(9)
@@ -227,19 +288,28 @@ def test_expectation_converges_like_one_over_sqrt_m(ext, oracles):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_yoso_attention_cuda_backend_matches_torch_backend(dtype, oracles):
-    """Forward and the eq. 11/13–14 backward through the op: same codes, other kernels."""
+@pytest.mark.parametrize("fast_hash", [True, False], ids=["rotation", "gaussian"])
+def test_yoso_attention_cuda_backend_matches_its_oracle(dtype, fast_hash, oracles):
+    """Forward and the eq. 11/13–14 backward through the op, v kept in fp16/bf16 by the CUDA
+    kernels. The rotation codes equal hash_codes_ref bit for bit, so the dense oracle
+    yoso_attention_ref has the same codes; the Gaussian codes are one GEMM on either backend."""
     q, k, v = (t.cuda().to(dtype) for t in oracles.random_qkv(2, 3, 137, 48, seed=8))
     mask = oracles.lengths_mask([137, 100], 137).cuda()
+    args = dict(num_hashes=16, hash_bits=6, seed=2, fast_hash=fast_hash)
     grads = {}
-    for backend in ("cuda", "torch"):
+    for name, op, backend in (("cuda", yoso_attention, "cuda"), ("oracle", yoso_attention_ref, "auto"),
+                              ("torch", yoso_attention, "torch")):
+        if name == "oracle" and not fast_hash or name == "torch" and fast_hash:
+            continue
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = yoso_attention(*leaves, mask, num_hashes=16, hash_bits=6, seed=2, backend=backend)
+        out = op(*leaves, mask, backend=backend, **args)
         out.float().square().sum().backward()
-        grads[backend] = (out.detach(), *(t.grad for t in leaves))
+        assert out.dtype == dtype and all(t.grad.dtype == dtype for t in leaves)
+        grads[name] = (out.detach(), *(t.grad for t in leaves))
+    want = grads["oracle" if fast_hash else "torch"]
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
-    for got, want in zip(grads["cuda"], grads["torch"]):
-        close(got.float(), want.float(), rtol=tol)
+    for got, expected in zip(grads["cuda"], want):
+        close(got.float(), expected.float(), rtol=tol)
     assert bool((grads["cuda"][0][1, :, 100:] == 0).all())  # padded queries are zero rows
 
 

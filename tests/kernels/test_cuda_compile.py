@@ -37,6 +37,8 @@ LAUNCHERS = [
     "yoso_weighted_cumulate_workspace_bytes",
     "yoso_hash_pack",
     "yoso_hash_rotate",
+    "yoso_cumulate_plan",
+    "yoso_weighted_cumulate_plan",
 ]
 
 
@@ -98,7 +100,7 @@ def test_a_broken_kernel_fails_the_compile(tmp_path):
     """The harness itself: the same command must reject a kernel with a type error."""
     broken = tmp_path / "broken.cu"
     text = (CSRC / "yoso_cuda.cu").read_text()
-    marker = "acc += sets[(hs * nb + c) * dv + d];"
+    marker = "acc += sets[(hs * a.table_rows + c) * dv + d];"
     assert marker in text
     broken.write_text(text.replace(marker, "acc += undeclared_in_kernel[(hs * nb + c) * dv + d];"))
     result = compile_cu(broken, "90", tmp_path / "broken.o")

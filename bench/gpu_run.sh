@@ -1,0 +1,258 @@
+#!/usr/bin/env bash
+# All of issue 18's GPU work in ONE call of the device tool, a compact table printed last.
+#
+#   bench/gpu_run.sh --fetch-wheels    # here, with PyPI: wheels of what the GPU image lacks -> .whl/
+#   bench/gpu_run.sh                   # there: run(command="bash bench/gpu_run.sh", carry=[".whl"])
+#   bench/gpu_run.sh --dry-run         # print the plan (steps, limits, commands); run nothing
+#   bench/gpu_run.sh --steps build,tests,model   # a subset, in the fixed order below
+#
+# The device tool copies the working tree (the 48 MB bundled model included) and allows 600 s
+# per command, so every step runs under its own limit (sum 560 s) and a step that fails or
+# runs out of time is reported, never fatal. The GPU image has torch 2.11 and no fastapi,
+# uvicorn or pydantic, and no network: `--fetch-wheels` puts those (about 4 MB) in .whl/, which
+# .git/info/exclude must ignore and the call must carry; without them the serve step is skipped.
+#
+# Steps: build   the CUDA extension for this GPU only, and backend_info()
+#        tests   tests/kernels/test_cuda*.py (its own compute-sanitizer memcheck/racecheck cases too)
+#        sanitize compute-sanitizer memcheck over test_cuda.py's oracle cases (whole pytest run)
+#        attention bench/attention_cuda.py: YOSO-32 (atomic and deterministic) vs SDPA flash
+#        model   the default model's docs/s at 4096 tokens in fp16: YOSO-32 vs the same weights
+#                with softmax (SDPA) attention
+#        serve   yoso-serve on CUDA, 128-token inputs over loopback HTTP: batching vs
+#                --max-batch-requests 1 (bench/load.py)
+#        onnx    ONNX Runtime's CUDA provider, if the installed onnxruntime has it
+# Full logs: $OUT/<step>.log and attention_cuda.png (the device tool brings $OUT back), else
+# bench/out/gpu/.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+STEPS_ALL=(build tests sanitize attention model serve onnx)
+declare -A LIMIT=([build]=140 [tests]=140 [sanitize]=60 [attention]=80 [model]=40 [serve]=80 [onnx]=20)
+# What the GPU image lacks for the service (KINDS.md lists what it has).
+WHEELS=(fastapi starlette pydantic pydantic-core pydantic-settings python-dotenv annotated-types
+        typing-inspection uvicorn)
+PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64)
+
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
+
+DRY=0 FETCH=0 STEPS=("${STEPS_ALL[@]}")
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --fetch-wheels) FETCH=1 ;;
+    --steps)
+      shift
+      IFS=, read -r -a wanted <<<"${1:-}"
+      STEPS=()
+      for s in "${STEPS_ALL[@]}"; do
+        for w in "${wanted[@]}"; do [ "$s" = "$w" ] && STEPS+=("$s"); done
+      done
+      for w in "${wanted[@]}"; do
+        [ -n "${LIMIT[$w]:-}" ] || { echo "gpu_run.sh: unknown step '$w' (steps: ${STEPS_ALL[*]})" >&2; exit 2; }
+      done ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "gpu_run.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+  esac
+  shift
+done
+
+if [ "$FETCH" = 1 ]; then
+  # Pinned to the versions this checkout's venv resolved, so the GPU run serves what CI tests.
+  PIP=("${PYTHON:-$ROOT/.venv/bin/python}" -m pip)
+  plat=(); for p in "${PLATFORMS[@]}"; do plat+=(--platform "$p"); done
+  for name in "${WHEELS[@]}"; do
+    version=$("${PIP[@]}" show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+    spec=$name${version:+==$version}
+    cmd=("${PIP[@]}" download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+         "${plat[@]}" -d "$ROOT/.whl" "$spec")
+    if [ "$DRY" = 1 ]; then echo "${cmd[*]}"; else "${cmd[@]}" -q || exit 1; fi
+  done
+  [ "$DRY" = 1 ] && exit 0
+  exclude="$(git -C "$ROOT" rev-parse --path-format=absolute --git-common-dir)/info/exclude"
+  grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"  # travels only when carried
+  du -sh "$ROOT/.whl"
+  exit 0
+fi
+
+# The model step (also smoke-tested on the CPU: GPU_RUN_DEVICE=cpu GPU_RUN_TOKENS=64 ...).
+MODEL_PY=$(cat <<'PY'
+import dataclasses, os, time
+import torch
+from yoso_serve.model import load_pretrained
+from yoso_serve.model.attention import build_attention
+from yoso_serve.model.default import BUNDLED_DIR
+from yoso_serve.model.encoder import YosoSelfAttention
+
+device = os.environ.get("GPU_RUN_DEVICE", "cuda")
+tokens, batch = int(os.environ.get("GPU_RUN_TOKENS", 4096)), int(os.environ.get("GPU_RUN_BATCH", 8))
+dtype = torch.float16 if device == "cuda" else torch.float32
+path = next(p for p in sorted(BUNDLED_DIR.iterdir()) if (p / "config.json").is_file())
+model = load_pretrained(path, device=device, dtype=dtype)
+gen = torch.Generator(device=device).manual_seed(0)
+ids = torch.randint(1000, 20000, (batch, tokens), device=device, generator=gen)
+mask = torch.ones_like(ids)
+
+
+def docs_per_s(repeats=5):
+    """Median docs/s of full forwards (the same ids each time) after two warm-ups."""
+    times = []
+    with torch.inference_mode():
+        for i in range(2 + repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = model.last_hidden(ids, mask, hashes=32)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    assert bool(torch.isfinite(out).all()), "non-finite hidden states"
+    return batch / sorted(times[2:])[repeats // 2]
+
+
+yoso = docs_per_s()
+for module in model.modules():  # the same weights, SDPA softmax instead of YOSO in every layer
+    if isinstance(module, YosoSelfAttention):
+        module.core = build_attention(dataclasses.replace(module.config, attention_type="softmax", conv_window=None), 0)
+softmax = docs_per_s()
+print(f"RESULT {path.name} {str(dtype)[6:]}, {batch} x {tokens} tokens: YOSO-32 {yoso:.2f} docs/s, "
+      f"softmax {softmax:.2f} docs/s, YOSO/softmax {yoso / softmax:.2f}")
+PY
+)
+# The ONNX step: ONNX Runtime's CUDA provider against torch on CUDA, fp32, 8 x 512 tokens.
+ONNX_PY=$(cat <<'PY'
+import tempfile, time
+import onnxruntime as ort
+import torch
+
+offered = ort.get_available_providers()
+if "CUDAExecutionProvider" not in offered:
+    print(f"RESULT skipped: onnxruntime {ort.__version__} offers {offered}, no CUDAExecutionProvider")
+    raise SystemExit(0)
+from yoso_serve.model import load_pretrained
+from yoso_serve.model.default import BUNDLED_DIR
+from yoso_serve.model.export import export_onnx
+from yoso_serve.model.onnx_runtime import OnnxEncoderModel
+
+path = next(p for p in sorted(BUNDLED_DIR.iterdir()) if (p / "config.json").is_file())
+ids = torch.randint(1000, 20000, (8, 512), generator=torch.Generator().manual_seed(0))
+mask = torch.ones_like(ids)
+
+
+def docs_per_s(run, repeats=5):
+    times = []
+    for _ in range(2 + repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return ids.shape[0] / sorted(times[2:])[repeats // 2]
+
+
+with tempfile.TemporaryDirectory() as scratch:
+    onnx_model = OnnxEncoderModel(export_onnx(path, scratch), device="cuda")
+    onnx = docs_per_s(lambda: onnx_model.last_hidden(ids, mask))
+torch_model = load_pretrained(path, device="cuda")
+ids_gpu, mask_gpu = ids.cuda(), mask.cuda()
+with torch.inference_mode():
+    eager = docs_per_s(lambda: torch_model.last_hidden(ids_gpu, mask_gpu))
+print(f"RESULT {onnx_model.providers[0]} {onnx:.1f} docs/s, torch CUDA {eager:.1f} docs/s (fp32, 8 x 512 tokens)")
+PY
+)
+export MODEL_PY ONNX_PY
+
+PY=${PYTHON:-python3}
+OUTDIR=${OUT:-$ROOT/bench/out/gpu}
+SUMMARY=/tmp/gpu_run_summary.tsv  # not under $OUT: the device tool brings back 8 files at most
+step_cmd() {  # the shell command of one step (run from $ROOT with the environment set below)
+  case "$1" in
+    build) echo "\$PY -c 'import json; from yoso_serve.kernels import _build; i = _build.backend_info(); print(json.dumps(i)); raise SystemExit(i[\"backend\"] != \"cuda\")'" ;;
+    tests) echo "\$PY -m pytest -q tests/kernels/test_cuda.py" ;;
+    sanitize) echo "\$SANITIZER --tool=memcheck --error-exitcode=3 \$PY -m pytest -q -x tests/kernels/test_cuda.py -k 'equals_torch_op or batch_invariance or out_of_range'" ;;
+    attention) echo "\$PY bench/attention_cuda.py --lengths 1024 8192 32768 65536 --hashes 32 --repeats 5 --plot \$OUTDIR/attention_cuda.png" ;;
+    model) echo "\$PY -c \"\$MODEL_PY\"" ;;
+    serve) echo "\$LOADPY bench/load.py --concurrency 32 --lengths 128 --requests 512 --seconds 12" ;;
+    onnx) echo "\$PY -c \"\$ONNX_PY\"" ;;
+  esac
+}
+
+if [ "$DRY" = 1 ]; then
+  total=0
+  printf '%-10s %6s  %s\n' step limit command
+  for s in "${STEPS[@]}"; do
+    printf '%-10s %5ss  %s\n' "$s" "${LIMIT[$s]}" "$(step_cmd "$s")"
+    total=$((total + LIMIT[$s]))
+  done
+  echo "total limit: ${total} s (the device tool allows 600 s per command)"
+  exit 0
+fi
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "gpu_run.sh needs a CUDA GPU and torch that sees it ($PY); use --dry-run to see the plan" >&2
+  exit 3
+fi
+
+# ---- environment: the package from this tree, carried wheels, one extension cache ----
+mkdir -p "$OUTDIR"
+: >"$SUMMARY"
+PKG=$(mktemp -d)
+ln -s "$ROOT" "$PKG/yoso_serve"  # the tree is the package yoso_serve (pyproject's package-dir)
+export PYTHONPATH=$PKG${PYTHONPATH:+:$PYTHONPATH} PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$ROOT"/.whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+export TORCH_EXTENSIONS_DIR=/tmp/yoso_ext MAX_JOBS=${MAX_JOBS:-16}
+TORCH_CUDA_ARCH_LIST=$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
+export TORCH_CUDA_ARCH_LIST
+SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+# bench/load.py starts the `yoso-serve` beside its interpreter; the image has no such script.
+LOADPY=$PY
+if "$PY" -c 'import fastapi, uvicorn, pydantic_settings' 2>/dev/null; then
+  exe=$("$PY" -c 'import sys; print(sys.executable)')
+  shim=$(dirname "$exe")/yoso-serve
+  if [ ! -x "$shim" ]; then
+    printf '#!/bin/sh\nexec "%s" -c "from yoso_serve.service.cli import main; main()" "$@"\n' "$exe" >"$shim" 2>/dev/null &&
+      chmod +x "$shim" 2>/dev/null
+  fi
+  [ -x "$shim" ] || LOADPY=
+else
+  LOADPY=
+fi
+export PY SANITIZER LOADPY OUTDIR
+cd "$ROOT" || exit 1
+
+# ---- the steps; each appends "step <tab> status <tab> seconds <tab> figure" to the summary ----
+figure() {  # the line of a step's log that the table shows
+  local log=$1
+  case "$2" in
+    build) grep -o '"backend": "[a-z]*"\|"cuda_toolkit": "[^"]*"' "$log" | tr '\n' ' ' ;;
+    tests|sanitize) grep -E '^[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s|ERROR SUMMARY' "$log" | tail -2 | tr '\n' ' ' ;;
+    attention) sed -n 's/^- YOSO-32 \(forward[+a-z]*\) .* \(at N=[0-9]*\): \(.*\)$/\1 \2: \3;/p' "$log" | tr '\n' ' '
+               sed -n 's/^| \([0-9]*\) | [0-9.]* | \([0-9]*%\) |$/cumulation \2 of copy bandwidth at N=\1/p' "$log" | tail -1 ;;
+    model|onnx) grep '^RESULT' "$log" | cut -c8- | tail -1 ;;
+    serve) grep -E 'dynamic batching|errors:' "$log" | tr '\n' ' ' ;;
+  esac
+}
+for s in "${STEPS[@]}"; do
+  log=$OUTDIR/$s.log
+  start=$SECONDS
+  if [ "$s" = serve ] && [ -z "$LOADPY" ]; then
+    printf '%s\tskipped\t0\t%s\n' "$s" "no fastapi/uvicorn/pydantic-settings: run --fetch-wheels here, carry .whl" >>"$SUMMARY"
+    continue
+  fi
+  echo "== $s (limit ${LIMIT[$s]} s): $(step_cmd "$s")"
+  timeout --kill-after=10 "${LIMIT[$s]}" bash -c "$(step_cmd "$s")" >"$log" 2>&1
+  rc=$?
+  case $rc in 0) status=ok ;; 124|137) status=timeout ;; *) status="FAIL rc=$rc" ;; esac
+  grep -q '^RESULT skipped' "$log" && status=skipped
+  tail -n 3 "$log"
+  printf '%s\t%s\t%s\t%s\n' "$s" "$status" "$((SECONDS - start))" "$(figure "$log" "$s")" >>"$SUMMARY"
+done
+
+echo
+echo "device: $("$PY" -c 'import torch; print(torch.cuda.get_device_name(), "| torch", torch.__version__, "| CUDA", torch.version.cuda)')"
+printf '| %-9s | %-10s | %5s | %s\n' step status s figure
+while IFS=$'\t' read -r s status secs fig; do
+  printf '| %-9s | %-10s | %5s | %s\n' "$s" "$status" "$secs" "$fig"
+done <"$SUMMARY"

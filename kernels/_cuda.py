@@ -1,0 +1,54 @@
+"""The CUDA kernels as :func:`yoso_serve.kernels.yoso_attention` calls them: no host sync.
+
+A host sync (reading a GPU value back: ``codes.max().item()``, a finiteness check) stalls the
+pipeline on every call and makes a forward impossible to capture in a CUDA graph, so none is
+made here. The binding's code-range check is skipped (``check_codes=False``): these codes
+come from the op's own hashing, in range by construction, and the kernels treat any code
+≥ 2^τ as masked rather than index out of bounds. Design notes: docs/cuda.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .hashing import padded_dim, rotation_signs
+
+MAX_ROTATE_DIM = 2048  # kYosoMaxRotateDim in csrc/yoso_cuda.h: the rotation kernel's P limit
+
+
+@functools.lru_cache(maxsize=64)
+def _rotation_signs(seed: int, heads: int, num_hashes: int, hash_bits: int, dim: int, device: torch.device):
+    """(H, m, 3, P) fp32 ±1 diagonals of every head on device, for ``hash_rotate_cuda``."""
+    return torch.stack([rotation_signs(seed, h, num_hashes, hash_bits, dim) for h in range(heads)]).to(device)
+
+
+def cuda_ops(ext, gemm_codes):
+    """(codes, cumulate, weighted) for :class:`yoso.Kernels` over the CUDA extension ``ext``.
+
+    codes: the fast family runs the fused rotation (equal to ``hash_codes_ref`` bit for bit,
+    and no (BH, N, m·τ) fp32 scores in memory) up to P = 2048; the Gaussian family, and the
+    rotation past that, is ``gemm_codes`` (one GEMM, then bit packing). cumulate reads v in its own dtype (fp16/bf16 kernels, fp32 sums) and
+    follows ``torch.use_deterministic_algorithms``; weighted needs one dtype for its three
+    inputs, and the backward mixes fp32 gradients with v, so mixed inputs go to fp32.
+    """
+
+    def codes(x, num_hashes, hash_bits, seed, fast_hash):
+        if not fast_hash or padded_dim(x.shape[-1], hash_bits) > MAX_ROTATE_DIM:
+            return gemm_codes(x, num_hashes, hash_bits, seed, fast_hash)
+        batch, heads, length, dim = x.shape
+        signs = _rotation_signs(seed, heads, num_hashes, hash_bits, dim, x.device)
+        rows = x.float().reshape(batch * heads, length, dim).contiguous()  # (BH, N, D)
+        return ext.hash_rotate_cuda(rows, signs, hash_bits).view(batch, heads, num_hashes, length)
+
+    def cumulate(q_codes, k_codes, v, hash_bits):
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        return ext.lsh_cumulate_cuda(q_codes, k_codes, v, hash_bits, deterministic, False)
+
+    def weighted(q_codes, k_codes, q_w, k_w, v, hash_bits):
+        if not q_w.dtype == k_w.dtype == v.dtype:
+            q_w, k_w, v = (t.float() for t in (q_w, k_w, v))
+        return ext.lsh_weighted_cumulate_cuda(q_codes, k_codes, q_w, k_w, v, hash_bits, False)
+
+    return codes, cumulate, weighted

@@ -1,0 +1,99 @@
+"""kernels/_cuda.py, the op's CUDA wiring, against a stand-in extension that implements the
+documented kernel contracts in PyTorch on the CPU (the real kernels: test_cuda.py, on a GPU).
+
+Checked here without a GPU: the hot path asks the binding for no code-range check (that check
+is a host sync), follows torch's deterministic flag, keeps v in fp16/bf16, sends mixed dtypes of
+the backward's weighted op to fp32, and feeds hash_rotate_cuda the (H, m, 3, P) signs and
+(BH, N, D) rows whose codes equal hash_codes_ref's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from yoso_serve.kernels import hash_codes_ref, hashing
+from yoso_serve.kernels._cuda import cuda_ops
+from yoso_serve.kernels.yoso import lsh_cumulate, lsh_weighted_cumulate
+
+
+class StandIn:
+    """The binding's *_cuda functions as their docstrings define them, recording each call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def lsh_cumulate_cuda(self, q_codes, k_codes, v, hash_bits, deterministic=False, check_codes=True):
+        self.calls.append(("cumulate", v.dtype, deterministic, check_codes))
+        return lsh_cumulate(q_codes, k_codes, v.float(), hash_bits)
+
+    def lsh_weighted_cumulate_cuda(self, q_codes, k_codes, q_w, k_w, v, hash_bits, check_codes=True):
+        assert q_w.dtype == k_w.dtype == v.dtype, "the binding requires one dtype"
+        self.calls.append(("weighted", v.dtype, check_codes))
+        return lsh_weighted_cumulate(q_codes, k_codes, q_w.float(), k_w.float(), v.float(), hash_bits)
+
+    def hash_rotate_cuda(self, x, signs, hash_bits):
+        """x (BH, N, D) fp32, signs (H, m, 3, P): codes (BH, m, N); row bh uses head bh % H."""
+        assert x.dtype == signs.dtype == torch.float32 and x.is_contiguous() and x.dim() == 3
+        self.calls.append(("rotate", tuple(x.shape), tuple(signs.shape)))
+        heads, hashes, _, size = signs.shape
+        padded = torch.nn.functional.pad(x, (0, size - x.shape[-1]))
+        codes = torch.empty(x.shape[0], hashes, x.shape[1], dtype=torch.int32)
+        for row in range(x.shape[0]):
+            for h in range(hashes):
+                bits = hashing.rotate(padded[row], signs[row % heads, h])[..., :hash_bits] > 0
+                codes[row, h] = hashing._codes_from_bits(bits)
+        return codes
+
+
+def gemm_codes(x, num_hashes, hash_bits, seed, fast_hash):
+    raise AssertionError("the GEMM codes are for the Gaussian family only")
+
+
+def test_the_rotation_kernel_gets_rows_and_signs_whose_codes_equal_the_reference():
+    ext = StandIn()
+    codes, _, _ = cuda_ops(ext, gemm_codes)
+    x = torch.nn.functional.normalize(torch.randn(2, 3, 37, 20, generator=torch.Generator().manual_seed(0)), dim=-1)
+    got = codes(x, 5, 6, 11, True)
+    assert got.shape == (2, 3, 5, 37)
+    assert torch.equal(got, hash_codes_ref(x, num_hashes=5, hash_bits=6, seed=11, fast_hash=True))
+    assert ext.calls == [("rotate", (6, 37, 20), (3, 5, 3, 32))]
+
+
+def test_the_gaussian_family_and_wide_rotations_go_to_the_gemm():
+    seen = []
+    codes, _, _ = cuda_ops(StandIn(), lambda *args: seen.append(args) or "gemm")
+    x, wide = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 2, 2049)  # P = 4096 > the kernel's 2048
+    assert codes(x, 3, 4, 0, False) == "gemm" and codes(wide, 3, 4, 0, True) == "gemm"
+    assert seen == [(x, 3, 4, 0, False), (wide, 3, 4, 0, True)]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cumulate_asks_for_no_sync_keeps_half_v_and_follows_the_deterministic_flag(deterministic):
+    ext = StandIn()
+    _, cumulate, _ = cuda_ops(ext, gemm_codes)
+    gen = torch.Generator().manual_seed(1)
+    q_codes = torch.randint(-1, 8, (2, 3, 10), generator=gen, dtype=torch.int32)
+    k_codes = torch.randint(-1, 8, (2, 3, 12), generator=gen, dtype=torch.int32)
+    v = torch.randn(2, 12, 4, generator=gen).half()
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        out = cumulate(q_codes, k_codes, v, 3)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert ext.calls == [("cumulate", torch.float16, deterministic, False)]
+    torch.testing.assert_close(out, lsh_cumulate(q_codes, k_codes, v.float(), 3))
+
+
+def test_weighted_sends_mixed_dtypes_to_fp32_and_one_dtype_as_it_is():
+    ext = StandIn()
+    _, _, weighted = cuda_ops(ext, gemm_codes)
+    gen = torch.Generator().manual_seed(2)
+    q_codes = torch.randint(0, 4, (1, 2, 6), generator=gen, dtype=torch.int32)
+    k_codes = torch.randint(0, 4, (1, 2, 7), generator=gen, dtype=torch.int32)
+    grad_out, k = torch.randn(1, 6, 5, generator=gen), torch.randn(1, 7, 5, generator=gen)
+    v = torch.randn(1, 7, 5, generator=gen).bfloat16()
+    weighted(q_codes, k_codes, grad_out, v, k, 2)  # the backward's mix: fp32 dO, bf16 V, fp32 k̂
+    weighted(q_codes, k_codes, v[:, :6], v, v, 2)
+    assert ext.calls == [("weighted", torch.float32, False), ("weighted", torch.bfloat16, False)]
