@@ -262,6 +262,18 @@ class Engine:
                         for i, name, (a, b) in zip(ids, names, offsets)])
         return out
 
+    async def decode(self, batch: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """Per list of token ids, its text (the inverse of tokenize)."""
+        self._check_open()
+        if len(batch) > self.settings.max_client_batch_size:
+            raise InvalidInput(f"{len(batch)} id lists is above max_client_batch_size "
+                               f"{self.settings.max_client_batch_size}; split the request", param="ids")
+        vocab = self.model.tokenizer.vocab_size
+        if any(i >= vocab for ids in batch for i in ids):
+            raise InvalidInput(f"token ids must be in [0, {vocab}) (the vocabulary size)", param="ids")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, lambda: self.model.tokenizer.tokenizer.decode_batch(batch, skip_special_tokens))
+
     def info(self) -> dict:
         cfg = self.model.config if self.model is not None else None
         s = self.settings

@@ -47,12 +47,21 @@ def test_400_malformed_json_and_404_405(tiny_dir, serve):
     async def main():
         async with serve(tiny_dir, chunk_overlap=16) as c:
             bad = await c.post("/embed", content=b'{"inputs": ["a",', headers={"content-type": "application/json"})
-            return bad, await c.get("/nope"), await c.get("/embed")
+            bad_root = await c.post("/", content=b'{"inputs": ["a",', headers={"content-type": "application/json"})
+            methods = {(verb, path): await c.request(verb, path)
+                       for verb, path in [("GET", "/embed"), ("PUT", "/"), ("TRACE", "/rerank"), ("POST", "/health")]}
+            return bad, bad_root, await c.get("/nope"), methods
 
-    bad, missing, method = asyncio.run(main())
+    bad, bad_root, missing, methods = asyncio.run(main())
     assert "malformed JSON" in error_of(bad, 400)["message"]
+    assert "malformed JSON" in error_of(bad_root, 400)["message"]
     assert error_of(missing, 404)["code"] == "not_found"
-    assert error_of(method, 405)["code"] == "method_not_allowed"
+    allowed = {("GET", "/embed"): "POST", ("PUT", "/"): "POST", ("TRACE", "/rerank"): "POST",
+               ("POST", "/health"): "GET"}
+    for (verb, path), r in methods.items():  # RFC 9110: a 405 carries Allow
+        err = error_of(r, 405)
+        assert err["code"] == "method_not_allowed" and f"{verb} is not allowed on {path}" in err["message"]
+        assert r.headers["allow"] == allowed[verb, path]
 
 
 def test_401_without_or_with_wrong_key_and_open_probes(tiny_dir, serve):
@@ -96,22 +105,34 @@ def test_413_by_content_length_and_by_chunked_body(tiny_dir, serve):
 
 
 @pytest.mark.parametrize("path,body,param,words", [
-    ("/embed", {"inputs": []}, "inputs", "must not be empty"),
-    ("/embed", {"inputs": ["ok", ""]}, "inputs", "empty strings"),
+    ("/embed", {"inputs": []}, "inputs", "at least 1 item"),
+    ("/embed", {"inputs": ["ok", ""]}, "inputs", "inputs.1: String should have at least 1 character"),
     ("/embed", {"inputs": ["a"] * 5}, "inputs", "max_client_batch_size 4"),
     ("/embed", {"inputs": "word " * 100, "long_input": "error"}, "inputs", "limit of 64"),
     ("/embed", {"inputs": "word " * 100, "truncate": False}, "inputs", "limit of 64"),
     ("/embed", {"inputs": "hi", "hashes": 17}, "hashes", "[0, 16]"),
-    ("/embed", {"inputs": "hi", "hashes": -1}, "hashes", "[0, 16]"),
+    ("/embed", {"inputs": "hi", "hashes": -1}, "hashes", "greater than or equal to 0"),
     ("/embed", {"inputs": "hi", "pooling": "max"}, "pooling", "mean"),
     ("/embed", {"inputs": 3}, "inputs", "string"),
     ("/embed", {"text": "hi"}, "inputs", "required"),
     ("/embed_all", {"inputs": "hi", "long_input": "chunk"}, "long_input", "truncate"),
     ("/classify", {"inputs": "hi"}, "labels", "no classification head"),
-    ("/classify", {"inputs": "hi", "labels": []}, "labels", "non-empty"),
+    ("/classify", {"inputs": "hi", "labels": []}, "labels", "at least 1 item"),
+    ("/classify", {"inputs": "hi", "labels": ["a", " \x1c"]}, "labels", "labels.1: String should match"),
     ("/classify", {"inputs": "hi", "labels": ["a", "a"]}, "labels", "distinct"),
     ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, "encoding_format", "float"),
-    ("/tokenize", {"inputs": []}, "inputs", "must not be empty"),
+    ("/tokenize", {"inputs": []}, "inputs", "at least 1 item"),
+    ("/embed", {"inputs": "hi", "dimensions": 33}, "dimensions", "[1, 32]"),
+    ("/predict", {"inputs": "hi"}, "inputs", "no classification head"),
+    ("/predict", {"inputs": ["a", "b"]}, "inputs", "need a cross-encoder"),
+    ("/", {"inputs": {"source_sentence": "a", "sentences": []}}, "inputs", "inputs.sentences: List should have at least 1"),
+    ("/", {"inputs": "hi", "raw_scores": True}, "raw_scores", "Extra inputs are not permitted"),
+    ("/rerank", {"query": "q", "texts": ["a"] * 5}, "inputs", "max_client_batch_size 4"),
+    ("/rerank", {"query": "", "texts": ["a"]}, "query", "at least 1 character"),
+    ("/rerank", {"query": "q", "texts": ["word " * 100], "long_input": "error"}, "inputs", "limit of 64"),
+    ("/decode", {"ids": [[1], [1], [1], [1], [1]]}, "ids", "max_client_batch_size 4"),
+    ("/decode", {"ids": [5, 10 ** 6]}, "ids", "[0, 30522)"),
+    ("/decode", {"ids": [[1], []]}, "ids", "ids.1: List should have at least 1 item"),
 ])
 def test_422_names_the_field_and_the_limit(tiny_dir, serve, path, body, param, words):
     async def main():
