@@ -180,7 +180,8 @@ def _add_routes(app: FastAPI, engine: Engine, metrics: ServiceMetrics) -> None:
             return _error(NotReady(f"not ready: {engine.state}"))
         return _json({"status": "ready"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics_route() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 

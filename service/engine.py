@@ -43,6 +43,8 @@ def chunk_windows(n_tokens: int, window: int, overlap: int) -> list[tuple[int, i
     earlier window had, so the weights sum to ``n_tokens`` (overlap counted once)."""
     if not 0 <= overlap < window:
         raise ValueError(f"chunk overlap {overlap} must be in [0, window {window})")
+    if n_tokens == 0:  # a text the tokenizer drops whole ("\x07"): its specials alone, weight 1, not 0/0
+        return [(0, 0, 1)]
     windows, start, covered = [], 0, 0
     while True:
         stop = min(start + window, n_tokens)

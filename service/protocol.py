@@ -11,19 +11,31 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from .params import ClassifyParams, EmbedParams, HiddenParams
 
 Direction = Literal["right", "left"]
 LongInput = Literal["truncate", "chunk", "error"]
 
+
+def _integral(value):
+    """JSON Schema's integer includes 5.0, so a strict int field takes it too (not 5.5, "5" or true)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _integer(minimum: int, description: str | None = None):
+    # the bounds go before the validator, or pydantic leaves them out of the JSON schema
+    return Annotated[int, Field(ge=minimum, description=description), BeforeValidator(_integral)]
+
+
+Positive = _integer(1)
 Text = Annotated[str, Field(min_length=1)]
 # A label needs one character that is not blank by Python's str.isspace(); \x1c-\x1f are spaces to
 # Python but not to the regex engine pydantic validates with, hence named.
 Label = Annotated[str, Field(pattern=r"[^\s\x1c-\x1f]")]
-Hashes = Annotated[int, Field(ge=0, description="LSH samples; 0 = exact YOSO-E. Default: the server's. "
-                              "Only for attention_type=yoso models (422 otherwise).")]
+Hashes = _integer(0, "LSH samples; 0 = exact YOSO-E. Default: the server's. Only for attention_type=yoso "
+                  "models (422 otherwise).")
 
 # Union branches are picked by the input's JSON type, so an error names only the branch the client
 # meant; the tags name those branches in error locations, which the error handler leaves out.
@@ -41,7 +53,7 @@ def _ids_shape(value) -> str:
 Texts = Annotated[Union[Annotated[Text, Tag("text")],
                         Annotated[list[Text], Field(min_length=1), Tag("list")]],
                   Discriminator(_text_or_list)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenIds = Annotated[list[_integer(0)], Field(min_length=1)]
 
 
 def _as_list(inputs: str | list[str]) -> list[str]:
@@ -54,7 +66,8 @@ def _long_input(long_input: LongInput, truncate: bool | None) -> str:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON's types as the schema states them (no "true" or 0 for a boolean, no "5" for a number)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class EmbedRequest(_Request):
@@ -68,7 +81,7 @@ class EmbedRequest(_Request):
     long_input: LongInput = Field("truncate", description="What to do with an input over the "
                                   "model's max length: cut it, embed overlapping windows and "
                                   "combine them, or answer 422.")
-    dimensions: Annotated[int, Field(ge=1)] | None = Field(None, description="Keep the first n "
+    dimensions: Positive | None = Field(None, description="Keep the first n "
                                                            "dimensions (before normalising).")
 
     def to_params(self) -> EmbedParams:
@@ -127,10 +140,12 @@ class TokenizeRequest(_Request):
 class OpenAIEmbeddingRequest(BaseModel):
     """OpenAI's /v1/embeddings body. Unknown fields (``user``) are accepted and ignored, as OpenAI does."""
 
+    model_config = ConfigDict(strict=True)
+
     input: Texts
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1)] | None = Field(
+    dimensions: Positive | None = Field(
         None, description="Keep the first n dimensions, then renormalise.")
 
     def to_params(self) -> EmbedParams:
@@ -144,7 +159,7 @@ class PredictParameters(_Request):
     function_to_apply: Literal["softmax", "sigmoid", "none"] | None = Field(
         None, description="softmax (one label), sigmoid (each label on its own) or none (logits). "
         "Overrides raw_scores.")
-    top_k: Annotated[int, Field(ge=1)] | None = Field(None, description="Keep the k best labels.")
+    top_k: Positive | None = Field(None, description="Keep the k best labels.")
 
 
 class PredictRequest(_Request):
