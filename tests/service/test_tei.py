@@ -181,3 +181,18 @@ def test_openapi_states_the_deployments_limits(tiny_dir, tiny_classifier_dir, se
     assert "labels" not in h["ClassifyRequest"].get("required", []) and "/predict" in head["paths"]
     root = head["paths"]["/"]["post"]["requestBody"]["content"]["application/json"]["schema"]["oneOf"]
     assert [r["$ref"].rsplit("/", 1)[1] for r in root] == ["PredictRequest"]
+
+
+def test_a_text_the_tokenizer_drops_whole_embeds_like_its_special_tokens(tiny_dir, serve):
+    """Schemathesis found it: "\\x07" has no content token, and chunking divided by a zero weight (NaN)."""
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            cut = await c.post("/embed", json={"inputs": ["\x07", "ok"]})
+            chunked = await c.post("/embed", json={"inputs": ["\x07", "ok"], "long_input": "chunk"})
+            ranked = await c.post("/rerank", json={"query": "ok", "texts": ["\x07", "ok"], "long_input": "chunk"})
+            return cut.json(), chunked.json(), ranked.json()
+
+    cut, chunked, ranked = asyncio.run(main())
+    assert np.isfinite(chunked).all()
+    np.testing.assert_allclose(chunked, cut, atol=1e-5)
+    assert [r["index"] for r in ranked] == [1, 0] and all(np.isfinite(r["score"]) for r in ranked)

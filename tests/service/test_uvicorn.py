@@ -61,7 +61,7 @@ def run_example(command: str, base: str) -> tuple[int, str]:
 def test_docs_curl_examples_work_as_written(server):
     url, _, cache = server
     examples = curl_examples()
-    assert len(examples) >= 9
+    assert len(examples) >= 13
     info = httpx.get(f"{url}/info", timeout=10).json()
     hidden = info["config"]["hidden_size"]
     # the default runtime (auto) is torch on CPU and on CUDA, and exports nothing
@@ -87,8 +87,16 @@ def test_docs_curl_examples_work_as_written(server):
             assert {s["label"] for s in data[0]} == {"hardware problem", "billing", "praise"}
             scores = [s["score"] for s in data[0]]
             assert scores == sorted(scores, reverse=True) and abs(sum(scores) - 1) < 1e-5
+        if route == "/":  # TEI's root on an embedding model: /embed
+            assert np.array(data).shape == (1, hidden)
+        if route == "/similarity":
+            assert len(data) == 2 and data[0] > data[1]
+        if route == "/rerank":
+            assert [r["index"] for r in data] == [1, 0] and data[0]["text"].startswith("YOSO")
+        if route == "/decode":
+            assert data == ["hello"]
     assert seen >= {"/embed", "/embed_all", "/v1/embeddings", "/classify", "/tokenize", "/info", "/health",
-                    "/ready", "/metrics"}
+                    "/ready", "/metrics", "/", "/similarity", "/rerank", "/decode"}
 
 
 def test_metrics_port_serves_the_same_registry(server):
