@@ -236,6 +236,33 @@ class SimilarityRequest(_Request):
                            long_input=_long_input("truncate", p.truncate))
 
 
+class ZeroShotParameters(_Request):
+    candidate_labels: Annotated[list[Label], Field(min_length=1, json_schema_extra={"uniqueItems": True})]
+    multi_label: bool = False
+    hypothesis_template: Annotated[str, Field(pattern=r"\{\}")] | None = Field(
+        None, description="Each label is embedded as this text with the label in place of {}.")
+
+    @field_validator("candidate_labels")
+    @classmethod
+    def _distinct(cls, labels: list[str]) -> list[str]:
+        if len(set(labels)) != len(labels):
+            raise ValueError("candidate_labels must be distinct")
+        return labels
+
+
+class ZeroShotRequest(_Request):
+    """The Inference API's zero-shot classification (huggingface_hub's zero_shot_classification)."""
+
+    inputs: Text
+    parameters: ZeroShotParameters
+
+    def to_params(self) -> ClassifyParams:
+        p = self.parameters
+        labels = [p.hypothesis_template.replace("{}", label) if p.hypothesis_template else label
+                  for label in p.candidate_labels]
+        return ClassifyParams(texts=[self.inputs], labels=labels, multi_label=p.multi_label)
+
+
 class DecodeRequest(_Request):
     ids: Annotated[Union[Annotated[TokenIds, Tag("single")],
                          Annotated[list[TokenIds], Field(min_length=1), Tag("batch")]],

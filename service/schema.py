@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from .engine import Engine
 
 # Request fields that hold one entry per input, so max_client_batch_size bounds them.
-BATCH_FIELDS = ("inputs", "input", "texts", "labels", "ids")
+BATCH_FIELDS = ("inputs", "input", "texts", "labels", "candidate_labels", "ids")
 
 
 def _branches(prop: dict) -> list[dict]:
@@ -72,7 +72,7 @@ def tailor(doc: dict, engine: Engine) -> dict:
 def _tailor_to_head(doc: dict, head: bool) -> None:
     schemas = doc["components"]["schemas"]
     body = doc["paths"]["/"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    wanted = ["PredictRequest"] if head else ["EmbedRequest", "SimilarityRequest"]
+    wanted = {"ZeroShotRequest", *(["PredictRequest"] if head else ["EmbedRequest", "SimilarityRequest"])}
     body["oneOf"] = [b for b in body["oneOf"] if b["$ref"].rsplit("/", 1)[1] in wanted]
     if not head:
         # no head: /classify needs labels, and /predict has nothing to answer with

@@ -2,7 +2,8 @@
 (huggingface_hub's InferenceClient, LangChain's HuggingFaceEndpointEmbeddings) can switch to this one.
 
 ``POST /`` dispatches as TEI does: predictions for a model with a classification head, embeddings
-otherwise, and sentence similarity for a body in that form. /rerank scores by embedding similarity
+otherwise, and sentence similarity for a body in that form; besides, the Inference API's zero-shot
+classification body (huggingface_hub's zero_shot_classification) is answered from /classify. /rerank scores by embedding similarity
 (a bi-encoder: each text is one pass, chunked past the max length if asked), not with a cross-encoder.
 """
 
@@ -17,13 +18,13 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from .engine import ZERO_SHOT_SCALE, ZERO_SHOT_THRESHOLD, Engine
-from .errors import InvalidInput, MalformedRequest
+from .errors import InvalidInput, MalformedRequest, NotReady
 from .protocol import (DecodeRequest, EmbedRequest, PredictRequest, Rank, RerankRequest, ScoredLabel,
-                       SimilarityRequest)
+                       SimilarityRequest, ZeroShotRequest)
 from .responses import ERRORS, json_response, watch
 
 # The bodies POST / takes; /openapi.json narrows them to the loaded model's (see schema.py).
-ROOT_BODIES = (EmbedRequest, SimilarityRequest, PredictRequest)
+ROOT_BODIES = (EmbedRequest, SimilarityRequest, PredictRequest, ZeroShotRequest)
 
 
 def has_head(engine: Engine) -> bool | None:
@@ -45,6 +46,21 @@ def _parse(body: bytes, model: type[BaseModel]) -> BaseModel:
         return model.model_validate(data)
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+
+
+def _root_kind(raw: bytes, head: bool) -> type[BaseModel]:
+    """Which body POST / got, by its shape; a malformed one goes to the model's default parser."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        data = None
+    data = data if isinstance(data, dict) else {}
+    parameters = data.get("parameters")
+    if isinstance(parameters, dict) and "candidate_labels" in parameters:
+        return ZeroShotRequest
+    if head:
+        return PredictRequest
+    return SimilarityRequest if isinstance(data.get("inputs"), dict) else EmbedRequest
 
 
 def _predictions(rows: list[list[tuple[str, float]]], top_k: int | None) -> list[list[dict]]:
@@ -70,23 +86,28 @@ def add_tei_routes(app: FastAPI, engine: Engine) -> None:
         out = await engine.embed(body.to_params(), watch(request))
         return json_response(out.value.tolist(), out.usage)
 
+    async def zero_shot(body: ZeroShotRequest, request: Request) -> Response:
+        out = await engine.classify(body.to_params(), watch(request))
+        names = dict(zip(body.to_params().labels, body.parameters.candidate_labels))  # templated → as sent
+        return json_response([{"label": names[label], "score": score} for label, score in out.value[0]], out.usage)
+
     @app.post("/", response_model=list[list[float]] | list[float] | list[ScoredLabel] | list[list[ScoredLabel]],
               responses=ERRORS, openapi_extra={"requestBody": {"required": True, "content": {
                   "application/json": {"schema": {"oneOf": [_ref(m) for m in ROOT_BODIES]}}}}})
     async def root(request: Request) -> Response:
         """TEI's default route: /predict for a classifier, else /embed, or /similarity for
-        ``{"inputs": {"source_sentence", "sentences"}}``."""
+        ``{"inputs": {"source_sentence", "sentences"}}``; and the Inference API's zero-shot
+        classification for ``{"inputs", "parameters": {"candidate_labels"}}`` on any model."""
         raw = await request.body()
         head = has_head(engine)
-        if head:
+        if head is None:  # the body's form depends on the model
+            raise NotReady(f"not ready ({engine.state}); retry later or on another replica")
+        kind = _root_kind(raw, head)
+        if kind is ZeroShotRequest:
+            return await zero_shot(_parse(raw, ZeroShotRequest), request)
+        if kind is PredictRequest:
             return await predict(_parse(raw, PredictRequest), request)
-        if head is None:  # still loading: the engine answers 503 whatever the body
-            return await embed(EmbedRequest(inputs="-"), request)
-        try:
-            similar = isinstance(json.loads(raw).get("inputs"), dict)
-        except (ValueError, AttributeError):
-            similar = False  # malformed or not an object: let the embed parser say so
-        if similar:
+        if kind is SimilarityRequest:
             return await similarity(_parse(raw, SimilarityRequest), request)
         return await embed(_parse(raw, EmbedRequest), request)
 

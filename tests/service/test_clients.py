@@ -98,6 +98,13 @@ def test_inference_client_text_classification(servers):
         f"{url}/classify", json={"inputs": text, "raw_scores": True}, timeout=60).json()[0]}
     assert len(top) == 1 and top[0].label == max(logits, key=logits.get)
     assert top[0].score == pytest.approx(1 / (1 + np.exp(-logits[top[0].label])), abs=1e-5)
+    # zero-shot: the Inference API's body, answered from /classify with labels
+    labels = ["hardware problem", "billing", "praise"]
+    zero = client.zero_shot_classification(text, labels, hypothesis_template="a complaint about {}")
+    want = httpx.post(f"{url}/classify", json={"inputs": text, "labels": [f"a complaint about {x}" for x in labels]},
+                      timeout=60).json()[0]
+    assert [(p.label, pytest.approx(p.score, abs=1e-5)) for p in zero] == [
+        (w["label"].removeprefix("a complaint about "), w["score"]) for w in want]
     # the embedding-model server answers text_classification's body with a clear 422
     from huggingface_hub.errors import HfHubHTTPError
 

@@ -176,11 +176,11 @@ def test_openapi_states_the_deployments_limits(tiny_dir, tiny_classifier_dir, se
     # no head: /classify needs labels, /predict is not offered, and POST / takes /embed's or /similarity's body
     assert "labels" in s["ClassifyRequest"]["required"] and "/predict" not in plain["paths"]
     root = plain["paths"]["/"]["post"]["requestBody"]["content"]["application/json"]["schema"]["oneOf"]
-    assert [r["$ref"].rsplit("/", 1)[1] for r in root] == ["EmbedRequest", "SimilarityRequest"]
+    assert [r["$ref"].rsplit("/", 1)[1] for r in root] == ["EmbedRequest", "SimilarityRequest", "ZeroShotRequest"]
     h = head["components"]["schemas"]
     assert "labels" not in h["ClassifyRequest"].get("required", []) and "/predict" in head["paths"]
     root = head["paths"]["/"]["post"]["requestBody"]["content"]["application/json"]["schema"]["oneOf"]
-    assert [r["$ref"].rsplit("/", 1)[1] for r in root] == ["PredictRequest"]
+    assert [r["$ref"].rsplit("/", 1)[1] for r in root] == ["PredictRequest", "ZeroShotRequest"]
 
 
 def test_a_text_the_tokenizer_drops_whole_embeds_like_its_special_tokens(tiny_dir, serve):
@@ -196,3 +196,31 @@ def test_a_text_the_tokenizer_drops_whole_embeds_like_its_special_tokens(tiny_di
     assert np.isfinite(chunked).all()
     np.testing.assert_allclose(chunked, cut, atol=1e-5)
     assert [r["index"] for r in ranked] == [1, 0] and all(np.isfinite(r["score"]) for r in ranked)
+
+
+@pytest.mark.parametrize("which", ["plain", "head"])
+def test_root_answers_the_inference_apis_zero_shot_body_from_classify(tiny_dir, tiny_classifier_dir, serve, which):
+    labels = ["the quick brown fox", "taxes", "bananas"]
+    template = "this text is about {}"
+
+    async def main():
+        async with serve(tiny_dir if which == "plain" else tiny_classifier_dir, chunk_overlap=16) as c:
+            got = {}
+            for multi in (False, True):
+                got[multi, None] = await c.post("/", json={"inputs": TEXTS[0], "parameters": {
+                    "candidate_labels": labels, "multi_label": multi}})
+                got[multi, template] = await c.post("/", json={"inputs": TEXTS[0], "parameters": {
+                    "candidate_labels": labels, "multi_label": multi, "hypothesis_template": template}})
+            want = {(multi, t): await c.post("/classify", json={
+                "inputs": TEXTS[0], "multi_label": multi,
+                "labels": [t.replace("{}", x) if t else x for x in labels]}) for multi, t in got}
+            bad = await c.post("/", json={"inputs": TEXTS[0], "parameters": {"candidate_labels": ["a", "a"]}})
+            return got, want, bad
+
+    got, want, bad = asyncio.run(main())
+    for key, r in got.items():
+        names = dict(zip([key[1].replace("{}", x) if key[1] else x for x in labels], labels))
+        assert r.status_code == 200, r.text
+        assert r.json() == [{"label": names[w["label"]], "score": w["score"]} for w in want[key].json()[0]]
+    assert got[False, None].json()[0]["label"] == labels[0]  # the label equal to the text wins
+    assert bad.status_code == 422 and "candidate_labels must be distinct" in bad.json()["error"]["message"]
