@@ -3,13 +3,15 @@
 
 ``POST /`` dispatches as TEI does: predictions for a model with a classification head, embeddings
 otherwise, and sentence similarity for a body in that form; besides, the Inference API's zero-shot
-classification body (huggingface_hub's zero_shot_classification) is answered from /classify. /rerank scores by embedding similarity
-(a bi-encoder: each text is one pass, chunked past the max length if asked), not with a cross-encoder.
+body (huggingface_hub's zero_shot_classification) is answered as zero-shot /classify. /rerank scores
+by embedding similarity (a bi-encoder: each text is one pass, chunked past the max length if asked),
+not with a cross-encoder.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -63,6 +65,17 @@ def _root_kind(raw: bytes, head: bool) -> type[BaseModel]:
     return SimilarityRequest if isinstance(data.get("inputs"), dict) else EmbedRequest
 
 
+@contextmanager
+def _inputs_named(field: str):
+    """The engine names its inputs ``inputs``; /rerank's are ``query`` and ``texts``."""
+    try:
+        yield
+    except InvalidInput as exc:
+        if exc.param == "inputs":
+            exc.param = field
+        raise
+
+
 def _predictions(rows: list[list[tuple[str, float]]], top_k: int | None) -> list[list[dict]]:
     return [[{"score": score, "label": label} for label, score in row[:top_k]] for row in rows]
 
@@ -87,8 +100,9 @@ def add_tei_routes(app: FastAPI, engine: Engine) -> None:
         return json_response(out.value.tolist(), out.usage)
 
     async def zero_shot(body: ZeroShotRequest, request: Request) -> Response:
-        out = await engine.classify(body.to_params(), watch(request))
-        names = dict(zip(body.to_params().labels, body.parameters.candidate_labels))  # templated → as sent
+        params = body.to_params()
+        out = await engine.classify(params, watch(request))
+        names = dict(zip(params.labels, body.parameters.candidate_labels))  # templated → as sent
         return json_response([{"label": names[label], "score": score} for label, score in out.value[0]], out.usage)
 
     @app.post("/", response_model=list[list[float]] | list[float] | list[ScoredLabel] | list[list[ScoredLabel]],
@@ -119,8 +133,10 @@ def add_tei_routes(app: FastAPI, engine: Engine) -> None:
     async def rerank(body: RerankRequest, request: Request) -> Response:
         """Texts ranked by cosine similarity to the query, best first."""
         query_params, text_params = body.params()
-        query = await engine.embed(query_params, watch(request))
-        texts = await engine.embed(text_params, watch(request))
+        with _inputs_named("query"):
+            query = await engine.embed(query_params, watch(request))
+        with _inputs_named("texts"):
+            texts = await engine.embed(text_params, watch(request))
         cosines = texts.value @ query.value[0]
         scores = cosines if body.raw_scores else 1 / (1 + np.exp(-ZERO_SHOT_SCALE * (cosines - ZERO_SHOT_THRESHOLD)))
         ranks = [{"index": i, "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}
