@@ -161,6 +161,10 @@ def test_429_when_the_queue_is_full_with_retry_after(tiny_dir, serve, metric):
     assert overloaded == len(refused)
 
 
+def root_bodies(doc: dict) -> int:
+    return len(doc["paths"]["/"]["post"]["requestBody"]["content"]["application/json"]["schema"]["oneOf"])
+
+
 def test_503_while_loading_and_while_draining(tiny_dir, serve):
     gate = threading.Event()
 
@@ -168,15 +172,23 @@ def test_503_while_loading_and_while_draining(tiny_dir, serve):
         async with serve(tiny_dir, wait_ready=False, chunk_overlap=16,
                          load_model=slow_loader(tiny_dir, 0.0, gate=gate)) as c:
             loading = [await c.get("/ready"), await c.post("/embed", json={"inputs": "hi"}), await c.get("/health")]
+            tei = [await c.post(path, json=body) for path, body in [
+                ("/", {"inputs": "hi"}), ("/rerank", {"query": "q", "texts": ["a"]}), ("/decode", {"ids": [101]})]]
+            early_doc = (await c.get("/openapi.json")).json()
             gate.set()
             await c.app.state.startup
             ready = await c.get("/ready")
+            late_doc = (await c.get("/openapi.json")).json()
             c.app.state.engine.begin_drain()
             draining = [await c.get("/ready"), await c.post("/embed", json={"inputs": "hi"}), await c.get("/health")]
-            return loading, ready, draining
+            return loading, tei, early_doc, late_doc, ready, draining
 
-    loading, ready, draining = asyncio.run(main())
+    loading, tei, early_doc, late_doc, ready, draining = asyncio.run(main())
     assert "loading" in error_of(loading[0], 503)["message"] and error_of(loading[1], 503)["code"] == "not_ready"
+    assert all(error_of(r, 503)["code"] == "not_ready" for r in tei)
+    # /openapi.json knows the model's limits only once it is loaded (and is not cached before)
+    assert root_bodies(early_doc) == 4 and "/predict" in early_doc["paths"]
+    assert root_bodies(late_doc) == 3 and "/predict" not in late_doc["paths"]
     assert loading[2].status_code == 200 and ready.status_code == 200
     assert "draining" in error_of(draining[0], 503)["message"]
     assert "shutting down" in error_of(draining[1], 503)["message"]
