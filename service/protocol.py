@@ -31,9 +31,10 @@ def _integer(minimum: int, description: str | None = None):
 
 Positive = _integer(1)
 Text = Annotated[str, Field(min_length=1)]
-# A label needs one character that is not blank by Python's str.isspace(); \x1c-\x1f are spaces to
-# Python but not to the regex engine pydantic validates with, hence named.
-Label = Annotated[str, Field(pattern=r"[^\s\x1c-\x1f]")]
+# A label needs one character that is not blank by Python's str.isspace() (the engine's rule). The
+# blanks are listed, not written \s: \s means other sets to Python, to pydantic's Rust regex and to
+# JavaScript (\x1c-\x1f, \x85, \ufeff), and clients check the schema's pattern with any of them.
+Label = Annotated[str, Field(pattern=r"[^\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]")]
 Hashes = _integer(0, "LSH samples; 0 = exact YOSO-E. Default: the server's. Only for attention_type=yoso "
                   "models (422 otherwise).")
 

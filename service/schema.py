@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from .engine import Engine
+from .tei import ROOT_BODIES
 
 # Request fields that hold one entry per input, so max_client_batch_size bounds them.
 BATCH_FIELDS = ("inputs", "input", "texts", "labels", "candidate_labels", "ids")
@@ -39,10 +40,20 @@ def _limit_ids(props: dict, vocab: int) -> None:
         (items["items"] if items.get("type") == "array" else items)["maximum"] = vocab - 1
 
 
+def _add_root_bodies(schemas: dict) -> None:
+    """POST / reads its body by hand, so FastAPI lists only the bodies other routes declare too."""
+    for body in ROOT_BODIES:
+        if body.__name__ not in schemas:
+            schema = body.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[body.__name__] = schema
+
+
 def tailor(doc: dict, engine: Engine) -> dict:
     """Write the deployment's limits into ``doc`` (an OpenAPI document of this app), in place."""
     s, model = engine.settings, engine.model
     schemas = doc["components"]["schemas"]
+    _add_root_bodies(schemas)
     for name, schema in schemas.items():
         props = schema.get("properties", {})
         for field in BATCH_FIELDS:

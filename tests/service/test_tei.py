@@ -5,6 +5,8 @@ deployment's limits in /openapi.json."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
 import numpy as np
 import pytest
@@ -164,6 +166,9 @@ def test_openapi_states_the_deployments_limits(tiny_dir, tiny_classifier_dir, se
         return plain, head
 
     plain, head = asyncio.run(main())
+    for doc in (plain, head):  # every reference resolves (POST / declares its bodies by hand)
+        refs = set(re.findall(r'"\$ref": "#/components/schemas/(\w+)"', json.dumps(doc)))
+        assert refs and refs <= set(doc["components"]["schemas"]), refs - set(doc["components"]["schemas"])
     s = plain["components"]["schemas"]
     assert s["EmbedRequest"]["properties"]["inputs"]["oneOf"][1]["maxItems"] == 4
     assert s["RerankRequest"]["properties"]["texts"]["maxItems"] == 4
