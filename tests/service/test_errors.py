@@ -73,10 +73,12 @@ def test_401_without_or_with_wrong_key_and_open_probes(tiny_dir, serve):
                     "basic": await c.post("/embed", json=body, headers={"authorization": "Basic s3cret-key"}),
                     "good": await c.post("/embed", json=body, headers={"authorization": "Bearer s3cret-key"}),
                     "info": await c.get("/info"),
+                    "root": await c.post("/", json=body),
+                    "rerank": await c.post("/rerank", json={"query": "q", "texts": ["a"]}),
                     **{p: await c.get(p) for p in ("/health", "/ready", "/metrics")}}
 
     r = asyncio.run(main())
-    for key in ("none", "wrong", "basic", "info"):
+    for key in ("none", "wrong", "basic", "info", "root", "rerank"):
         assert error_of(r[key], 401)["type"] == "authentication_error"
         assert r[key].headers["www-authenticate"] == "Bearer"
     assert r["good"].status_code == 200
