@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 from contextlib import asynccontextmanager
 from typing import Callable
@@ -15,18 +14,19 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine
-from .params import Usage
 from .errors import MalformedRequest, MethodNotAllowed, NotFound, NotReady, ServiceError, InvalidInput
 from .metrics import CONTENT_TYPE, ServiceMetrics
-from .middleware import EdgeMiddleware, error_response_parts
-from .protocol import (ClassifyRequest, EmbedAllRequest, EmbedRequest, ErrorResponse, OpenAIEmbeddingRequest,
-                       OpenAIEmbeddingResponse, ScoredLabel, Token, TokenizeRequest)
+from .middleware import EdgeMiddleware
+from .protocol import (UNION_TAGS, ClassifyRequest, EmbedAllRequest, EmbedRequest, ErrorResponse,
+                       OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, ScoredLabel, Token, TokenizeRequest)
+from .responses import ERRORS as _ERRORS, error as _error, json_response as _json, watch as _watch
+from .schema import deployment_openapi
 from .settings import ServeSettings
+from .tei import add_tei_routes
 
 log = logging.getLogger("yoso_serve.service")
 
 VERSION = "0.1.0"
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 413, 422, 429, 503, 504)}
 
 
 def _default_loader(settings: ServeSettings) -> tuple[Callable, str]:
@@ -83,6 +83,8 @@ def create_app(settings: ServeSettings | None = None, *, load_model: Callable | 
                        payload_limit=settings.payload_limit, metrics=metrics)
     _add_error_handlers(app)
     _add_routes(app, engine, metrics)
+    add_tei_routes(app, engine)
+    app.openapi = deployment_openapi(app, engine)
     return app
 
 
@@ -91,11 +93,6 @@ def _report_start(task: asyncio.Task, on_fatal) -> None:
         return
     if on_fatal is not None:
         on_fatal(task.exception())
-
-
-def _error(exc: ServiceError) -> Response:
-    status, headers, body = error_response_parts(exc)
-    return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in headers})
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -111,43 +108,27 @@ def _add_error_handlers(app: FastAPI) -> None:
             detail = (bad_json.get("ctx") or {}).get("error", "invalid JSON")
             return _error(MalformedRequest(f"malformed JSON body: {detail}", param="body"))
         first = errors[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # union branch tags (protocol.UNION_TAGS) are not part of the path the client wrote
+        loc = [str(p) for p in first.get("loc", ()) if p != "body" and p not in UNION_TAGS]
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         # param names the top-level field; the message keeps the full path (union branches included)
         return _error(InvalidInput(f"{'.'.join(loc) or 'body'}: {first.get('msg')}{more}",
                                    param=loc[0] if loc else None))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
             return _error(NotFound("no such route; see /docs", code="not_found"))
-        if exc.status_code == 405:
-            return _error(MethodNotAllowed("method not allowed on this route; see /docs"))
+        if exc.status_code == 405:  # RFC 9110: a 405 lists the methods the route does take
+            allowed = sorted({m for r in request.app.router.routes if getattr(r, "methods", None)
+                              and r.path_regex.match(request.url.path) for m in r.methods})
+            return _error(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}; "
+                                           f"it takes {', '.join(allowed)}"), {"Allow": ", ".join(allowed)})
         if exc.status_code == 400:
             return _error(MalformedRequest(str(exc.detail)))
         response = _error(ServiceError(str(exc.detail), code=str(exc.status_code)))
         response.status_code = exc.status_code
         return response
-
-
-def _timing_headers(usage: Usage) -> dict[str, str]:
-    return {"x-compute-tokens": str(usage.tokens), "x-hashes": str(usage.hashes),
-            "x-tokenization-time": f"{usage.tokenize_ms:.2f}", "x-queue-time": f"{usage.queue_ms:.2f}",
-            "x-inference-time": f"{usage.inference_ms:.2f}"}
-
-
-def _json(payload, usage: Usage | None = None, status: int = 200) -> Response:
-    return Response(json.dumps(payload, separators=(",", ":")), status_code=status,
-                    media_type="application/json", headers=_timing_headers(usage) if usage else None)
-
-
-def _watch(request: Request):
-    """An awaitable factory that completes when the client disconnects (the body is already read)."""
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    return disconnected
 
 
 def _add_routes(app: FastAPI, engine: Engine, metrics: ServiceMetrics) -> None:
@@ -199,7 +180,8 @@ def _add_routes(app: FastAPI, engine: Engine, metrics: ServiceMetrics) -> None:
             return _error(NotReady(f"not ready: {engine.state}"))
         return _json({"status": "ready"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics_route() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 

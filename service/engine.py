@@ -43,6 +43,8 @@ def chunk_windows(n_tokens: int, window: int, overlap: int) -> list[tuple[int, i
     earlier window had, so the weights sum to ``n_tokens`` (overlap counted once)."""
     if not 0 <= overlap < window:
         raise ValueError(f"chunk overlap {overlap} must be in [0, window {window})")
+    if n_tokens == 0:  # a text the tokenizer drops whole ("\x07"): its specials alone, weight 1, not 0/0
+        return [(0, 0, 1)]
     windows, start, covered = [], 0, 0
     while True:
         stop = min(start + window, n_tokens)
@@ -261,6 +263,18 @@ class Engine:
                          else text[a:b], "start": a, "stop": b, "special": special}
                         for i, name, (a, b) in zip(ids, names, offsets)])
         return out
+
+    async def decode(self, batch: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """Per list of token ids, its text (the inverse of tokenize)."""
+        self._check_open()
+        if len(batch) > self.settings.max_client_batch_size:
+            raise InvalidInput(f"{len(batch)} id lists is above max_client_batch_size "
+                               f"{self.settings.max_client_batch_size}; split the request", param="ids")
+        vocab = self.model.tokenizer.vocab_size
+        if any(i >= vocab for ids in batch for i in ids):
+            raise InvalidInput(f"token ids must be in [0, {vocab}) (the vocabulary size)", param="ids")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, lambda: self.model.tokenizer.tokenizer.decode_batch(batch, skip_special_tokens))
 
     def info(self) -> dict:
         cfg = self.model.config if self.model is not None else None

@@ -19,7 +19,8 @@ from .metrics import ServiceMetrics
 
 log = logging.getLogger("yoso_serve.service")
 
-WORK_ROUTES = frozenset({"/embed", "/embed_all", "/classify", "/v1/embeddings", "/tokenize"})
+WORK_ROUTES = frozenset({"/embed", "/embed_all", "/classify", "/v1/embeddings", "/tokenize",
+                         "/", "/predict", "/rerank", "/similarity", "/decode"})  # the last five: TEI's
 # Probes and scrapers carry no key: documented in docs/api.md.
 OPEN_ROUTES = frozenset({"/health", "/ready", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
 KNOWN_ROUTES = WORK_ROUTES | OPEN_ROUTES | {"/info"}

@@ -3,6 +3,12 @@ and an in-process client that runs the app's lifespan (httpx.ASGITransport does 
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -76,3 +82,51 @@ def serve():
 @pytest.fixture
 def metric():
     return _metric
+
+
+class ServerKit:
+    """Real ``yoso-serve`` processes (the console script, under uvicorn) on 127.0.0.1."""
+
+    script = Path(sys.executable).parent / "yoso-serve"
+
+    @staticmethod
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def start(self, *flags: str, cache: Path | None = None) -> tuple[subprocess.Popen, str]:
+        """The default model on the default runtime unless ``flags`` say otherwise; ``cache``, if given,
+        as YOSO_CACHE_DIR. Returns once /ready answers 200."""
+        port = self.free_port()
+        env = {**os.environ, "YOSO_CACHE_DIR": str(cache)} if cache is not None else None
+        proc = subprocess.Popen([str(self.script), "--host", "127.0.0.1", "--port", str(port), "--log-level",
+                                 "warning", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"yoso-serve exited early:\n{proc.stdout.read()}")
+            try:
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        proc.kill()
+        raise RuntimeError("yoso-serve did not become ready in 180 s")
+
+    @staticmethod
+    def stop(proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="session")
+def yoso_server() -> ServerKit:
+    return ServerKit()

@@ -47,12 +47,21 @@ def test_400_malformed_json_and_404_405(tiny_dir, serve):
     async def main():
         async with serve(tiny_dir, chunk_overlap=16) as c:
             bad = await c.post("/embed", content=b'{"inputs": ["a",', headers={"content-type": "application/json"})
-            return bad, await c.get("/nope"), await c.get("/embed")
+            bad_root = await c.post("/", content=b'{"inputs": ["a",', headers={"content-type": "application/json"})
+            methods = {(verb, path): await c.request(verb, path)
+                       for verb, path in [("GET", "/embed"), ("PUT", "/"), ("TRACE", "/rerank"), ("POST", "/health")]}
+            return bad, bad_root, await c.get("/nope"), methods
 
-    bad, missing, method = asyncio.run(main())
+    bad, bad_root, missing, methods = asyncio.run(main())
     assert "malformed JSON" in error_of(bad, 400)["message"]
+    assert "malformed JSON" in error_of(bad_root, 400)["message"]
     assert error_of(missing, 404)["code"] == "not_found"
-    assert error_of(method, 405)["code"] == "method_not_allowed"
+    allowed = {("GET", "/embed"): "POST", ("PUT", "/"): "POST", ("TRACE", "/rerank"): "POST",
+               ("POST", "/health"): "GET"}
+    for (verb, path), r in methods.items():  # RFC 9110: a 405 carries Allow
+        err = error_of(r, 405)
+        assert err["code"] == "method_not_allowed" and f"{verb} is not allowed on {path}" in err["message"]
+        assert r.headers["allow"] == allowed[verb, path]
 
 
 def test_401_without_or_with_wrong_key_and_open_probes(tiny_dir, serve):
@@ -64,10 +73,12 @@ def test_401_without_or_with_wrong_key_and_open_probes(tiny_dir, serve):
                     "basic": await c.post("/embed", json=body, headers={"authorization": "Basic s3cret-key"}),
                     "good": await c.post("/embed", json=body, headers={"authorization": "Bearer s3cret-key"}),
                     "info": await c.get("/info"),
+                    "root": await c.post("/", json=body),
+                    "rerank": await c.post("/rerank", json={"query": "q", "texts": ["a"]}),
                     **{p: await c.get(p) for p in ("/health", "/ready", "/metrics")}}
 
     r = asyncio.run(main())
-    for key in ("none", "wrong", "basic", "info"):
+    for key in ("none", "wrong", "basic", "info", "root", "rerank"):
         assert error_of(r[key], 401)["type"] == "authentication_error"
         assert r[key].headers["www-authenticate"] == "Bearer"
     assert r["good"].status_code == 200
@@ -96,22 +107,35 @@ def test_413_by_content_length_and_by_chunked_body(tiny_dir, serve):
 
 
 @pytest.mark.parametrize("path,body,param,words", [
-    ("/embed", {"inputs": []}, "inputs", "must not be empty"),
-    ("/embed", {"inputs": ["ok", ""]}, "inputs", "empty strings"),
+    ("/embed", {"inputs": []}, "inputs", "at least 1 item"),
+    ("/embed", {"inputs": ["ok", ""]}, "inputs", "inputs.1: String should have at least 1 character"),
     ("/embed", {"inputs": ["a"] * 5}, "inputs", "max_client_batch_size 4"),
     ("/embed", {"inputs": "word " * 100, "long_input": "error"}, "inputs", "limit of 64"),
     ("/embed", {"inputs": "word " * 100, "truncate": False}, "inputs", "limit of 64"),
     ("/embed", {"inputs": "hi", "hashes": 17}, "hashes", "[0, 16]"),
-    ("/embed", {"inputs": "hi", "hashes": -1}, "hashes", "[0, 16]"),
+    ("/embed", {"inputs": "hi", "hashes": -1}, "hashes", "greater than or equal to 0"),
     ("/embed", {"inputs": "hi", "pooling": "max"}, "pooling", "mean"),
     ("/embed", {"inputs": 3}, "inputs", "string"),
     ("/embed", {"text": "hi"}, "inputs", "required"),
     ("/embed_all", {"inputs": "hi", "long_input": "chunk"}, "long_input", "truncate"),
     ("/classify", {"inputs": "hi"}, "labels", "no classification head"),
-    ("/classify", {"inputs": "hi", "labels": []}, "labels", "non-empty"),
+    ("/classify", {"inputs": "hi", "labels": []}, "labels", "at least 1 item"),
+    ("/classify", {"inputs": "hi", "labels": ["a", " \x1c"]}, "labels", "labels.1: String should match"),
     ("/classify", {"inputs": "hi", "labels": ["a", "a"]}, "labels", "distinct"),
     ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, "encoding_format", "float"),
-    ("/tokenize", {"inputs": []}, "inputs", "must not be empty"),
+    ("/tokenize", {"inputs": []}, "inputs", "at least 1 item"),
+    ("/embed", {"inputs": "hi", "dimensions": 33}, "dimensions", "[1, 32]"),
+    ("/predict", {"inputs": "hi"}, "inputs", "no classification head"),
+    ("/predict", {"inputs": ["a", "b"]}, "inputs", "need a cross-encoder"),
+    ("/", {"inputs": {"source_sentence": "a", "sentences": []}}, "inputs", "inputs.sentences: List should have at least 1"),
+    ("/", {"inputs": "hi", "raw_scores": True}, "raw_scores", "Extra inputs are not permitted"),
+    ("/rerank", {"query": "q", "texts": ["a"] * 5}, "texts", "max_client_batch_size 4"),
+    ("/rerank", {"query": "word " * 100, "texts": ["a"], "truncate": False}, "query", "limit of 64"),
+    ("/rerank", {"query": "", "texts": ["a"]}, "query", "at least 1 character"),
+    ("/rerank", {"query": "q", "texts": ["word " * 100], "long_input": "error"}, "texts", "limit of 64"),
+    ("/decode", {"ids": [[1], [1], [1], [1], [1]]}, "ids", "max_client_batch_size 4"),
+    ("/decode", {"ids": [5, 10 ** 6]}, "ids", "[0, 30522)"),
+    ("/decode", {"ids": [[1], []]}, "ids", "ids.1: List should have at least 1 item"),
 ])
 def test_422_names_the_field_and_the_limit(tiny_dir, serve, path, body, param, words):
     async def main():
@@ -139,6 +163,10 @@ def test_429_when_the_queue_is_full_with_retry_after(tiny_dir, serve, metric):
     assert overloaded == len(refused)
 
 
+def root_bodies(doc: dict) -> int:
+    return len(doc["paths"]["/"]["post"]["requestBody"]["content"]["application/json"]["schema"]["oneOf"])
+
+
 def test_503_while_loading_and_while_draining(tiny_dir, serve):
     gate = threading.Event()
 
@@ -146,15 +174,23 @@ def test_503_while_loading_and_while_draining(tiny_dir, serve):
         async with serve(tiny_dir, wait_ready=False, chunk_overlap=16,
                          load_model=slow_loader(tiny_dir, 0.0, gate=gate)) as c:
             loading = [await c.get("/ready"), await c.post("/embed", json={"inputs": "hi"}), await c.get("/health")]
+            tei = [await c.post(path, json=body) for path, body in [
+                ("/", {"inputs": "hi"}), ("/rerank", {"query": "q", "texts": ["a"]}), ("/decode", {"ids": [101]})]]
+            early_doc = (await c.get("/openapi.json")).json()
             gate.set()
             await c.app.state.startup
             ready = await c.get("/ready")
+            late_doc = (await c.get("/openapi.json")).json()
             c.app.state.engine.begin_drain()
             draining = [await c.get("/ready"), await c.post("/embed", json={"inputs": "hi"}), await c.get("/health")]
-            return loading, ready, draining
+            return loading, tei, early_doc, late_doc, ready, draining
 
-    loading, ready, draining = asyncio.run(main())
+    loading, tei, early_doc, late_doc, ready, draining = asyncio.run(main())
     assert "loading" in error_of(loading[0], 503)["message"] and error_of(loading[1], 503)["code"] == "not_ready"
+    assert all(error_of(r, 503)["code"] == "not_ready" for r in tei)
+    # /openapi.json knows the model's limits only once it is loaded (and is not cached before)
+    assert root_bodies(early_doc) == 4 and "/predict" in early_doc["paths"]
+    assert root_bodies(late_doc) == 3 and "/predict" not in late_doc["paths"]
     assert loading[2].status_code == 200 and ready.status_code == 200
     assert "draining" in error_of(draining[0], 503)["message"]
     assert "shutting down" in error_of(draining[1], 503)["message"]

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,54 +18,17 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(sys.executable).parent / "yoso-serve"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(*flags: str, cache: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """The default model on the default runtime; ``cache``, if given, as YOSO_CACHE_DIR."""
-    port = free_port()
-    env = {**os.environ, "YOSO_CACHE_DIR": str(cache)} if cache is not None else None
-    proc = subprocess.Popen([str(SCRIPT), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-                             *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"yoso-serve exited early:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("yoso-serve did not become ready in 180 s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, yoso_server):
     """What `make serve` runs: no flags but the address, so the runtime is the default (auto), with a
     private YOSO_CACHE_DIR to show that it writes nothing there."""
-    metrics_port = free_port()
+    metrics_port = yoso_server.free_port()
     cache = tmp_path_factory.mktemp("yoso-cache")
-    proc, url = start_server("--metrics-port", str(metrics_port), cache=cache)
+    proc, url = yoso_server.start("--metrics-port", str(metrics_port), cache=cache)
     yield url, metrics_port, cache
-    stop(proc)
+    yoso_server.stop(proc)
 
 
 def curl_examples() -> list[str]:
@@ -101,7 +61,7 @@ def run_example(command: str, base: str) -> tuple[int, str]:
 def test_docs_curl_examples_work_as_written(server):
     url, _, cache = server
     examples = curl_examples()
-    assert len(examples) >= 9
+    assert len(examples) >= 13
     info = httpx.get(f"{url}/info", timeout=10).json()
     hidden = info["config"]["hidden_size"]
     # the default runtime (auto) is torch on CPU and on CUDA, and exports nothing
@@ -127,8 +87,16 @@ def test_docs_curl_examples_work_as_written(server):
             assert {s["label"] for s in data[0]} == {"hardware problem", "billing", "praise"}
             scores = [s["score"] for s in data[0]]
             assert scores == sorted(scores, reverse=True) and abs(sum(scores) - 1) < 1e-5
+        if route == "/":  # TEI's root on an embedding model: /embed
+            assert np.array(data).shape == (1, hidden)
+        if route == "/similarity":
+            assert len(data) == 2 and data[0] > data[1]
+        if route == "/rerank":
+            assert [r["index"] for r in data] == [1, 0] and data[0]["text"].startswith("YOSO")
+        if route == "/decode":
+            assert data == ["hello"]
     assert seen >= {"/embed", "/embed_all", "/v1/embeddings", "/classify", "/tokenize", "/info", "/health",
-                    "/ready", "/metrics"}
+                    "/ready", "/metrics", "/", "/similarity", "/rerank", "/decode"}
 
 
 def test_metrics_port_serves_the_same_registry(server):
@@ -140,8 +108,8 @@ def test_metrics_port_serves_the_same_registry(server):
     assert f'backend="{info["backend"]["backend"]}"' in text and f'runtime="{info["runtime"]}"' in text
 
 
-def test_sigterm_drains_accepted_requests_refuses_new_ones_and_exits_0():
-    proc, url = start_server("--max-batch-requests", "2", "--drain-timeout", "60")
+def test_sigterm_drains_accepted_requests_refuses_new_ones_and_exits_0(yoso_server):
+    proc, url = yoso_server.start("--max-batch-requests", "2", "--drain-timeout", "60")
     doc = " ".join(f"paragraph {i} of a long report about hashing attention" for i in range(60))
 
     def in_flight() -> float:
@@ -176,14 +144,14 @@ def test_sigterm_drains_accepted_requests_refuses_new_ones_and_exits_0():
     assert code == 0, proc.stdout.read()
 
 
-def test_bad_settings_exit_2_before_loading_anything():
-    out = subprocess.run([str(SCRIPT), "--runtime", "onnx"], capture_output=True, text=True, timeout=60)
+def test_bad_settings_exit_2_before_loading_anything(yoso_server):
+    out = subprocess.run([str(yoso_server.script), "--runtime", "onnx"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "use --runtime torch" in out.stderr, out.stderr
 
 
-def test_a_model_that_cannot_start_exits_1_with_the_reason(tiny_dir):
-    port = free_port()
-    out = subprocess.run([str(SCRIPT), "--model", str(tiny_dir), "--host", "127.0.0.1", "--port", str(port),
+def test_a_model_that_cannot_start_exits_1_with_the_reason(tiny_dir, yoso_server):
+    port = yoso_server.free_port()
+    out = subprocess.run([str(yoso_server.script), "--model", str(tiny_dir), "--host", "127.0.0.1", "--port", str(port),
                           "--chunk-overlap", "100"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "--chunk-overlap 100 must be below the window of 62 tokens" in out.stderr

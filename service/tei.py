@@ -1,0 +1,152 @@
+"""text-embeddings-inference's routes with TEI's shapes, so a TEI deployment and its clients
+(huggingface_hub's InferenceClient, LangChain's HuggingFaceEndpointEmbeddings) can switch to this one.
+
+``POST /`` dispatches as TEI does: predictions for a model with a classification head, embeddings
+otherwise, and sentence similarity for a body in that form; besides, the Inference API's zero-shot
+body (huggingface_hub's zero_shot_classification) is answered as zero-shot /classify. /rerank scores
+by embedding similarity (a bi-encoder: each text is one pass, chunked past the max length if asked),
+not with a cross-encoder.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from .engine import ZERO_SHOT_SCALE, ZERO_SHOT_THRESHOLD, Engine
+from .errors import InvalidInput, MalformedRequest, NotReady
+from .protocol import (DecodeRequest, EmbedRequest, PredictRequest, Rank, RerankRequest, ScoredLabel,
+                       SimilarityRequest, ZeroShotRequest)
+from .responses import ERRORS, json_response, watch
+
+# The bodies POST / takes; /openapi.json narrows them to the loaded model's (see schema.py).
+ROOT_BODIES = (EmbedRequest, SimilarityRequest, PredictRequest, ZeroShotRequest)
+
+
+def has_head(engine: Engine) -> bool | None:
+    """Whether the served model has a classification head; None until it is loaded."""
+    return None if engine.model is None else bool(engine.model.has_classifier)
+
+
+def _ref(model: type[BaseModel]) -> dict:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _parse(body: bytes, model: type[BaseModel]) -> BaseModel:
+    """Validate a body read by hand the way FastAPI validates declared ones (same 400/422 answers)."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MalformedRequest(f"malformed JSON body: {exc}", param="body") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+
+
+def _root_kind(raw: bytes, head: bool) -> type[BaseModel]:
+    """Which body POST / got, by its shape; a malformed one goes to the model's default parser."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        data = None
+    data = data if isinstance(data, dict) else {}
+    parameters = data.get("parameters")
+    if isinstance(parameters, dict) and "candidate_labels" in parameters:
+        return ZeroShotRequest
+    if head:
+        return PredictRequest
+    return SimilarityRequest if isinstance(data.get("inputs"), dict) else EmbedRequest
+
+
+@contextmanager
+def _inputs_named(field: str):
+    """The engine names its inputs ``inputs``; /rerank's are ``query`` and ``texts``."""
+    try:
+        yield
+    except InvalidInput as exc:
+        if exc.param == "inputs":
+            exc.param = field
+        raise
+
+
+def _predictions(rows: list[list[tuple[str, float]]], top_k: int | None) -> list[list[dict]]:
+    return [[{"score": score, "label": label} for label, score in row[:top_k]] for row in rows]
+
+
+def add_tei_routes(app: FastAPI, engine: Engine) -> None:
+    async def predict(body: PredictRequest, request: Request) -> Response:
+        if has_head(engine) is False:
+            raise InvalidInput("this model has no classification head, so it has nothing to predict; "
+                               "use /classify with labels (zero-shot) or /rerank", param="inputs")
+        out = await engine.classify(body.to_params(), watch(request))
+        rows = _predictions(out.value, body.parameters.top_k if body.parameters else None)
+        # TEI answers a single text with one list; the Inference API form (with parameters), as a batch
+        single = isinstance(body.inputs, str) and body.parameters is None
+        return json_response(rows[0] if single else rows, out.usage)
+
+    async def similarity(body: SimilarityRequest, request: Request) -> Response:
+        out = await engine.embed(body.params(), watch(request))
+        return json_response([float(s) for s in out.value[1:] @ out.value[0]], out.usage)
+
+    async def embed(body: EmbedRequest, request: Request) -> Response:
+        out = await engine.embed(body.to_params(), watch(request))
+        return json_response(out.value.tolist(), out.usage)
+
+    async def zero_shot(body: ZeroShotRequest, request: Request) -> Response:
+        params = body.to_params()
+        out = await engine.classify(params, watch(request))
+        names = dict(zip(params.labels, body.parameters.candidate_labels))  # templated → as sent
+        return json_response([{"label": names[label], "score": score} for label, score in out.value[0]], out.usage)
+
+    @app.post("/", response_model=list[list[float]] | list[float] | list[ScoredLabel] | list[list[ScoredLabel]],
+              responses=ERRORS, openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/json": {"schema": {"oneOf": [_ref(m) for m in ROOT_BODIES]}}}}})
+    async def root(request: Request) -> Response:
+        """TEI's default route: /predict for a classifier, else /embed, or /similarity for
+        ``{"inputs": {"source_sentence", "sentences"}}``; and the Inference API's zero-shot
+        classification for ``{"inputs", "parameters": {"candidate_labels"}}`` on any model."""
+        raw = await request.body()
+        head = has_head(engine)
+        if head is None:  # the body's form depends on the model
+            raise NotReady(f"not ready ({engine.state}); retry later or on another replica")
+        kind = _root_kind(raw, head)
+        if kind is ZeroShotRequest:
+            return await zero_shot(_parse(raw, ZeroShotRequest), request)
+        if kind is PredictRequest:
+            return await predict(_parse(raw, PredictRequest), request)
+        if kind is SimilarityRequest:
+            return await similarity(_parse(raw, SimilarityRequest), request)
+        return await embed(_parse(raw, EmbedRequest), request)
+
+    app.post("/predict", response_model=list[ScoredLabel] | list[list[ScoredLabel]], responses=ERRORS,
+             summary="Predict (TEI)")(predict)
+    app.post("/similarity", response_model=list[float], responses=ERRORS, summary="Similarity (TEI)")(similarity)
+
+    @app.post("/rerank", response_model=list[Rank], responses=ERRORS, response_model_exclude_none=True)
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        """Texts ranked by cosine similarity to the query, best first."""
+        query_params, text_params = body.params()
+        with _inputs_named("query"):
+            query = await engine.embed(query_params, watch(request))
+        with _inputs_named("texts"):
+            texts = await engine.embed(text_params, watch(request))
+        cosines = texts.value @ query.value[0]
+        scores = cosines if body.raw_scores else 1 / (1 + np.exp(-ZERO_SHOT_SCALE * (cosines - ZERO_SHOT_THRESHOLD)))
+        ranks = [{"index": i, "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}
+                 for i in np.argsort(-scores, kind="stable").tolist()]
+        usage = texts.usage
+        usage.tokens += query.usage.tokens
+        usage.inference_ms += query.usage.inference_ms
+        return json_response(ranks, usage)
+
+    @app.post("/decode", response_model=list[str], responses=ERRORS)
+    async def decode(body: DecodeRequest) -> Response:
+        """Token ids back to text (the inverse of /tokenize)."""
+        return json_response(await engine.decode(body.batch(), body.skip_special_tokens))
