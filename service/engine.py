@@ -16,6 +16,7 @@ from typing import Awaitable, Callable
 import numpy as np
 import torch
 
+from .admission import request_budget
 from .errors import ClientGone, InvalidInput, NotReady
 from .metrics import ServiceMetrics
 from .params import ClassifyParams, EmbedParams, HiddenParams, Output, Usage
@@ -322,6 +323,7 @@ class Engine:
 
     async def _tokenize(self, texts: list[str], side: str, long_input: str) -> list[list[tuple[list[int], int]]]:
         """Per text, its windows ``(ids with specials, weight)``: one window unless chunked."""
+        self.scheduler.check(request_budget(self.settings.request_timeout))  # 429 before any work
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         pieces = await loop.run_in_executor(self._tokenize_pool, self._split, texts, side, long_input)
@@ -351,7 +353,7 @@ class Engine:
                    usage: Usage, watch: Watch | None) -> list[np.ndarray]:
         """Queue one item per sequence, wait for all (or the client leaving), fill ``usage``."""
         loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + self.settings.request_timeout
+        deadline = time.monotonic() + request_budget(self.settings.request_timeout)
         items = [WorkItem(ids, hashes, kind, pooling, deadline, loop.create_future(), loop) for ids in seqs]
         self.scheduler.submit(items)
         gathered = asyncio.gather(*(it.future for it in items), return_exceptions=True)
