@@ -37,6 +37,12 @@ DECAY = 0.9
 # the queue-full answer before any batch of that hash count ran.
 FALLBACK_TOKENS_PER_S = 1000.0
 
+# The engine's second warm-up batch, one input of 512 tokens (truncated where the model is shorter):
+# long enough that per-batch overhead does not dominate its speed, short enough to cost a fraction
+# of a second on a CPU, one input so that it runs as one batch whatever --max-batch-requests says.
+# The first warm-up batch pays one-off costs and is not measured.
+SPEED_PROBE = [" ".join(["warm-up"] * 170)]
+
 # The absolute (time.monotonic) deadline the client asked for, set per request by the middleware.
 client_deadline: ContextVar[float | None] = ContextVar("client_deadline", default=None)
 
@@ -79,8 +85,7 @@ class ThroughputEstimate:
     """Per hash count, padded tokens per second and padding per real token, from the batches run.
 
     Sums decay by :data:`DECAY` per batch and are weighted by tokens, so a big batch counts for
-    more than a tiny one: the warm-up batch (a few tokens, mostly fixed per-batch overhead) gives
-    a first, slow estimate, which errs towards refusing, and the first real batch outweighs it.
+    more than a tiny one, whose time is mostly fixed per-batch overhead.
     """
 
     def __init__(self) -> None:
@@ -176,7 +181,8 @@ class AdmissionPolicy:
         limit = self.admit_share * budget
         if wait is None or wait <= limit:
             return Admission(None, wait)
-        retry = max(1, math.ceil(wait - limit))
+        # By the time the deadline has passed, all that is queued now has started or been dropped.
+        retry = max(1, math.ceil(min(wait - limit, budget)))
         return Admission("predicted_wait", wait, retry,
                          f"predicted queue wait {wait:.2f} s is over this request's limit of {limit:.2f} s "
                          f"({self.admit_share:g} x its deadline of {budget:.2f} s: request_timeout, or "

@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 import numpy as np
 import torch
 
-from .admission import request_budget
+from .admission import SPEED_PROBE, request_budget
 from .errors import ClientGone, InvalidInput, NotReady
 from .metrics import ServiceMetrics
 from .params import ClassifyParams, EmbedParams, HiddenParams, Output, Usage
@@ -76,14 +76,15 @@ class Engine:
 
     # --- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
-        """Load weights, start the batching loop, run one warm-up batch, then become ready."""
+        """Load weights, start the batching loop, run the warm-up batches, then become ready."""
         try:
             await asyncio.to_thread(self._load)
             if self.state == "draining":  # SIGTERM while loading: nothing to warm up for
                 return
-            out = await self.embed(EmbedParams([WARMUP_TEXT]), warmup=True)
-            if not np.isfinite(out.value).all():
-                raise ValueError("warm-up embedding is not finite; the weights are broken")
+            for texts in ([WARMUP_TEXT], SPEED_PROBE):  # the second gives admission its first speed
+                out = await self.embed(EmbedParams(texts), warmup=True)
+                if not np.isfinite(out.value).all():
+                    raise ValueError("warm-up embedding is not finite; the weights are broken")
         except NotReady:
             if self.state == "draining":
                 return

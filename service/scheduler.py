@@ -256,8 +256,12 @@ class BatchScheduler:
         hashes = batch[0].hashes
         with self._cond:  # submit() reads the estimate on the event loop's thread
             self._running = None
-            self.admission.estimate.observe(hashes, tokens, padded, elapsed)
-        self.metrics.throughput.labels(str(hashes)).set(self.admission.estimate.padded_tokens_per_s(hashes))
+            # Batch 0 is the engine's first warm-up: a few tokens, one-off costs and per-batch
+            # overhead, whose speed would make the first predictions many times too long.
+            if batch_id > 0:
+                self.admission.estimate.observe(hashes, tokens, padded, elapsed)
+        if self.admission.estimate.known(hashes):
+            self.metrics.throughput.labels(str(hashes)).set(self.admission.estimate.padded_tokens_per_s(hashes))
         self.metrics.inference_duration.observe(elapsed)
         self.metrics.batch_size.observe(len(batch))
         self.metrics.batch_tokens.observe(padded)

@@ -12,7 +12,9 @@ import pytest
 from yoso_serve.model import load_pretrained
 from yoso_serve.service.admission import (ADMIT_SHARE, AdmissionPolicy, Running, ThroughputEstimate,
                                           client_deadline, parse_client_timeout, request_budget)
-from yoso_serve.service.errors import InvalidInput
+from yoso_serve.service.errors import InvalidInput, Overloaded
+from yoso_serve.service.metrics import ServiceMetrics
+from yoso_serve.service.scheduler import BatchScheduler, WorkItem
 
 
 # --- the estimate and the policy, no threads, no clock --------------------------------------------
@@ -53,9 +55,11 @@ def test_admitted_exactly_while_the_predicted_start_is_within_the_share_of_the_d
     refused = policy.decide(queued=queued, running=None, budget=at_limit - 0.01)
     assert refused.reason == "predicted_wait" and refused.retry_after == 1
     assert "predicted queue wait 1.00 s" in refused.message and "request_timeout" in refused.message
-    # Retry-After: how long until enough of the queue has run for the request to fit
-    late = policy.decide(queued={32: 10000}, running=None, budget=5.0)
-    assert late.retry_after == math.ceil(10.0 - ADMIT_SHARE * 5.0) == 6
+    # Retry-After: how long until enough of the queue has run for the request to fit, and never
+    # more than the deadline (by then all that is queued now has started or been dropped)
+    late = policy.decide(queued={32: 6000}, running=None, budget=5.0)
+    assert late.retry_after == math.ceil(6.0 - ADMIT_SHARE * 5.0) == 2
+    assert policy.decide(queued={32: 100000}, running=None, budget=5.0).retry_after == 5
     assert policy.decide(queued={}, running=None, budget=0.001).admitted  # an idle server takes anything
 
 
@@ -103,6 +107,38 @@ def test_budget_is_the_server_timeout_or_less_never_more():
         assert request_budget(2.0) == 2.0  # the client cannot extend the server's deadline
     finally:
         client_deadline.reset(token)
+
+
+def test_scheduler_measures_every_batch_but_the_first_and_counts_the_running_one():
+    def forward(batch):
+        time.sleep(0.2 if batch[0].length == 1 else 0.05)  # the first (warm-up) batch is slow
+        return [0] * len(batch)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        s = BatchScheduler(forward, max_batch_tokens=1000, max_batch_requests=8, max_wait_ms=0,
+                           max_queue_tokens=10**6, metrics=ServiceMetrics())
+        s.start()
+        items = lambda n, budget=10.0: [WorkItem(list(range(n)), 32, "embed", None, time.monotonic() + budget,
+                                                 loop.create_future(), loop)]
+        first = items(1)
+        assert s.submit(first).predicted_wait == 0  # an idle server: no wait
+        await asyncio.sleep(0.05)
+        assert s.submit(items(50)).predicted_wait is None  # the running batch's speed is unknown
+        await first[0].future
+        assert not s.admission.estimate.known(32)  # the warm-up taught nothing
+        await asyncio.sleep(0.2)
+        assert s.admission.estimate.padded_tokens_per_s(32) == pytest.approx(1000, rel=0.3)  # 50 in 0.05 s
+        running = items(50)
+        s.submit(running)
+        await asyncio.sleep(0.01)
+        assert 0 < s.submit(items(50)).predicted_wait <= 0.05  # what is left of the running batch
+        with pytest.raises(Overloaded) as info:  # the 50 queued alone take 0.05 s, over 0.8 x 0.05 s
+            s.submit(items(50, budget=0.05))
+        assert info.value.code == "predicted_wait"
+        s.close(5)
+
+    asyncio.run(main())
 
 
 # --- the engine, with a model of known speed ------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -30,9 +31,10 @@ def slow_loader(path, delay: float = 0.3, *, fail: bool = False, gate: threading
             gate.wait(10)
         model = load_pretrained(path)
         real = model.embed
+        calls = itertools.count()
 
         def embed(*args, **kw):
-            if fail and args[0].shape[1] > 6:  # the warm-up (5 tokens) passes, requests fail
+            if fail and next(calls) >= 2:  # the two warm-up batches pass, requests fail
                 raise RuntimeError("secret internal detail /srv/weights")
             time.sleep(delay)
             return real(*args, **kw)
@@ -167,12 +169,13 @@ def test_503_while_loading_and_while_draining(tiny_dir, serve):
 def test_429_at_once_when_predicted_late_and_504_when_nothing_could_predict_it(tiny_dir, serve, metric,
                                                                                 first_hashes):
     # The first input holds the model for 0.4 s; the second's deadline is 0.1 s. At the served hash
-    # count the warm-up batch measured the speed, so the second is refused at once; at a hash count
-    # never run before there is nothing to predict from, it is queued and outlives its deadline.
+    # count the warm-up's speed probe (as long as the first input: the tiny model's 64 tokens, also
+    # 0.4 s) measured the speed, so the second is refused at once; at a hash count never run before
+    # there is nothing to predict from, it is queued and outlives its deadline.
     async def main():
         async with serve(tiny_dir, chunk_overlap=16, load_model=slow_loader(tiny_dir, 0.4),
                          max_batch_requests=1, request_timeout=0.1) as c:
-            first = asyncio.create_task(c.post("/embed", json={"inputs": "first one in", "hashes": first_hashes}))
+            first = asyncio.create_task(c.post("/embed", json={"inputs": "first " * 70, "hashes": first_hashes}))
             await asyncio.sleep(0.05)
             late = await c.post("/embed", json={"inputs": "second one waits"})
             return (await first, late, metric(c, "yoso_failures_total", reason="deadline"),
