@@ -150,6 +150,13 @@ class AdmissionPolicy:
         self.max_queue_tokens = max_queue_tokens
         self.admit_share = admit_share
         self.estimate = ThroughputEstimate()
+        self.request_seconds = 0.0  # running mean of an admitted request's predicted work
+
+    def note_request(self, hashes: int, tokens: int) -> None:
+        """An admitted request: its work, in seconds, joins the running mean."""
+        if self.estimate.known(hashes):
+            seconds = self.estimate.seconds_for(hashes, tokens)
+            self.request_seconds = DECAY * self.request_seconds + (1 - DECAY) * seconds
 
     def predicted_wait(self, queued: Mapping[int, int], running: Running | None) -> float | None:
         """Seconds until a request joining the queue now starts: what is left of the running batch
@@ -165,9 +172,12 @@ class AdmissionPolicy:
         return wait
 
     def decide(self, *, queued: Mapping[int, int], running: Running | None, budget: float,
-               tokens: int | None = None) -> Admission:
+               tokens: int | None = None, tokenizing: int = 0) -> Admission:
         """Admit or refuse a request of ``tokens`` (None: not tokenised yet, skip the token cap)
-        whose deadline is ``budget`` seconds away."""
+        whose deadline is ``budget`` seconds away. ``tokenizing`` requests are on their way into
+        the queue ahead of it: each counts as the mean admitted request. Without them the check
+        before tokenising lets a whole burst through, only for most of it to be refused after its
+        tokenisation has cost the server its CPU and the client its time."""
         total = sum(queued.values())
         if tokens is not None and total and total + tokens > self.max_queue_tokens:
             # An empty queue takes any request, so one request larger than the cap still runs.
@@ -179,6 +189,8 @@ class AdmissionPolicy:
                              f"{self.max_queue_tokens}); retry after {retry} s")
         wait = self.predicted_wait(queued, running)
         limit = self.admit_share * budget
+        if wait is not None:
+            wait += tokenizing * self.request_seconds
         if wait is None or wait <= limit:
             return Admission(None, wait)
         # By the time the deadline has passed, all that is queued now has started or been dropped.

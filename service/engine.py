@@ -324,10 +324,10 @@ class Engine:
 
     async def _tokenize(self, texts: list[str], side: str, long_input: str) -> list[list[tuple[list[int], int]]]:
         """Per text, its windows ``(ids with specials, weight)``: one window unless chunked."""
-        self.scheduler.check(request_budget(self.settings.request_timeout))  # 429 before any work
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
-        pieces = await loop.run_in_executor(self._tokenize_pool, self._split, texts, side, long_input)
+        with self.scheduler.checked(request_budget(self.settings.request_timeout)):  # 429 before any work
+            pieces = await loop.run_in_executor(self._tokenize_pool, self._split, texts, side, long_input)
         self.metrics.tokenize_duration.observe(time.monotonic() - t0)
         for windows in pieces:
             for ids, _ in windows:

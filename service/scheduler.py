@@ -12,6 +12,7 @@ import asyncio
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Callable, Hashable
@@ -92,6 +93,7 @@ class BatchScheduler:
         self._queued_tokens = 0
         self._queued_by_hashes: dict[int, int] = {}
         self._running: tuple[int, int, float] | None = None  # (hashes, padded tokens, start) on the model
+        self._tokenizing = 0  # requests between checked() and submit()
         self._cond = threading.Condition()
         self._accepting = True
         self._stop = False
@@ -105,11 +107,19 @@ class BatchScheduler:
     def queued_tokens(self) -> int:
         return self._queued_tokens
 
-    def check(self, budget: float) -> None:
-        """Raise Overloaded (429) now if the queue ahead is predicted to outlast ``budget`` seconds:
-        called before tokenising, so a refusal costs the server almost nothing."""
+    @contextmanager
+    def checked(self, budget: float):
+        """Around a request's tokenisation: raise Overloaded (429) at once if the queue ahead, with
+        the requests being tokenised before it, is predicted to outlast ``budget`` seconds, so a
+        refusal costs the server almost nothing; else count the request as on its way."""
         with self._cond:
             self._admit(budget, None)
+            self._tokenizing += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._tokenizing -= 1
 
     def submit(self, items: list[WorkItem]) -> Admission:
         """Enqueue all of a request's items or none: raises Overloaded (429) when the queue is over
@@ -119,6 +129,7 @@ class BatchScheduler:
             if not self._accepting:
                 raise NotReady("server is shutting down; retry on another replica")
             admission = self._admit(min(it.deadline for it in items) - time.monotonic(), tokens)
+            self.admission.note_request(items[0].hashes, tokens)
             if admission.predicted_wait is not None:
                 first = FirstStart(admission.predicted_wait)
                 for it in items:
@@ -137,8 +148,8 @@ class BatchScheduler:
         if self._running is not None:
             hashes, padded, start = self._running
             running = Running(hashes, padded, time.monotonic() - start)
-        admission = self.admission.decide(queued=self._queued_by_hashes, running=running,
-                                          budget=max(budget, 0.0), tokens=tokens)
+        admission = self.admission.decide(queued=self._queued_by_hashes, running=running, budget=max(budget, 0.0),
+                                          tokens=tokens, tokenizing=self._tokenizing if tokens is None else 0)
         if not admission.admitted:
             self.metrics.rejections.labels(admission.reason).inc()
             raise Overloaded(admission.message, retry_after=admission.retry_after, code=admission.reason)

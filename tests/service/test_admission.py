@@ -87,6 +87,18 @@ def test_each_hash_count_at_its_own_speed_and_unmeasured_ones_fall_back_to_the_t
     assert policy.decide(queued={}, running=None, budget=100, tokens=10**6).admitted  # empty queue: any size
 
 
+def test_requests_being_tokenised_count_ahead_as_the_mean_admitted_request():
+    policy = _policy(rate=1000)
+    for _ in range(50):
+        policy.note_request(32, 200)  # 0.2 s of work each
+    policy.note_request(8, 10**6)  # a hash count never measured adds nothing
+    assert policy.request_seconds == pytest.approx(0.2, rel=0.01)
+    queued = {32: 500}  # 0.5 s ahead; limit 0.8 x 1 s
+    assert policy.decide(queued=queued, running=None, budget=1.0, tokenizing=1).admitted  # 0.7 s
+    refused = policy.decide(queued=queued, running=None, budget=1.0, tokenizing=2)  # 0.9 s
+    assert refused.reason == "predicted_wait" and refused.predicted_wait == pytest.approx(0.9, rel=0.01)
+
+
 @pytest.mark.parametrize("raw,want", [(None, None), (b"2.5", 2.5), (b" 10 ", 10.0)])
 def test_client_timeout_header_parses(raw, want):
     assert parse_client_timeout(raw) == want
