@@ -4,8 +4,8 @@ within its deadline, as issue 21 tried it.
 Each client sends one or four texts of 8 to 1,500 words (a tenth of the requests malformed) over
 its own keep-alive connection, closed-loop, and honours Retry-After after a 429 as a well-behaved
 client does. One run is a fresh default server driven by ``--overload-clients`` (64) and another
-fresh one by ``--baseline-clients`` (8, busy but never refusing), each for ``--seconds``; requests
-in flight at the end are awaited so that every status is counted. Reported: the share of 504
+fresh one by ``--baseline-clients`` (4: busy, but refusing nothing on 2 cores), each for
+``--seconds``; requests in flight at the end are awaited so that every status is counted. Reported: the share of 504
 answers, the p99 latency of 429 answers, and the tokens per second of accepted (200) requests that
 completed within the window, overload against baseline.
 """
