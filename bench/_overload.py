@@ -5,9 +5,9 @@ Each client sends one or four texts of 8 to 1,500 words (a tenth of the requests
 its own keep-alive connection, closed-loop, and honours Retry-After after a 429 as a well-behaved
 client does. One run is a fresh default server driven by ``--overload-clients`` (64) and another
 fresh one by ``--baseline-clients`` (4: busy, but refusing nothing on 2 cores), each for
-``--seconds``; requests in flight at the end are awaited so that every status is counted. Reported: the share of 504
-answers, the p99 latency of 429 answers, and the tokens per second of accepted (200) requests that
-completed within the window, overload against baseline.
+``--seconds``; requests in flight at the end are awaited so that every status is counted.
+Reported: the share of 504 answers, the p99 latency of 429 answers, and the tokens per second of
+accepted (200) requests that completed within the window, overload against baseline.
 """
 
 from __future__ import annotations
