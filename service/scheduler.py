@@ -86,7 +86,6 @@ class BatchScheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
         self.max_wait = max_wait_ms / 1000.0
-        self.max_queue_tokens = max_queue_tokens
         self.metrics = metrics
         self.admission = AdmissionPolicy(max_queue_tokens=max_queue_tokens)
         self._queue: list[WorkItem] = []
