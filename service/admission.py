@@ -33,6 +33,9 @@ ADMIT_SHARE = 0.8
 # which is quick enough to track a change of input lengths and slow enough to average out one
 # batch that shared the cores with a burst of tokenisation.
 DECAY = 0.9
+# Tokens per character of a text not tokenised yet, until requests have taught better: the usual
+# figure for English with a WordPiece or BPE vocabulary.
+TOKENS_PER_CHAR = 0.25
 # Retry-After when nothing has been measured yet (tokens/s): the old fixed guess, used only for
 # the queue-full answer before any batch of that hash count ran.
 FALLBACK_TOKENS_PER_S = 1000.0
@@ -90,8 +93,10 @@ class ThroughputEstimate:
 
     def __init__(self) -> None:
         self._by_hashes: dict[int, _Sums] = {}
+        self.last: int | None = None  # the hash count of the last batch measured
 
     def observe(self, hashes: int, real_tokens: int, padded_tokens: int, seconds: float) -> None:
+        self.last = hashes
         s = self._by_hashes.setdefault(hashes, _Sums())
         s.real = DECAY * s.real + real_tokens
         s.padded = DECAY * s.padded + padded_tokens
@@ -150,13 +155,12 @@ class AdmissionPolicy:
         self.max_queue_tokens = max_queue_tokens
         self.admit_share = admit_share
         self.estimate = ThroughputEstimate()
-        self.request_seconds = 0.0  # running mean of an admitted request's predicted work
+        self.tokens_per_char = TOKENS_PER_CHAR
 
-    def note_request(self, hashes: int, tokens: int) -> None:
-        """An admitted request: its work, in seconds, joins the running mean."""
-        if self.estimate.known(hashes):
-            seconds = self.estimate.seconds_for(hashes, tokens)
-            self.request_seconds = DECAY * self.request_seconds + (1 - DECAY) * seconds
+    def note_text(self, chars: int, tokens: int) -> None:
+        """A tokenised request: its tokens per character join the running mean."""
+        if chars > 0:
+            self.tokens_per_char = DECAY * self.tokens_per_char + (1 - DECAY) * tokens / chars
 
     def predicted_wait(self, queued: Mapping[int, int], running: Running | None) -> float | None:
         """Seconds until a request joining the queue now starts: what is left of the running batch
@@ -172,11 +176,12 @@ class AdmissionPolicy:
         return wait
 
     def decide(self, *, queued: Mapping[int, int], running: Running | None, budget: float,
-               tokens: int | None = None, tokenizing: int = 0) -> Admission:
+               tokens: int | None = None, tokenizing_chars: int = 0) -> Admission:
         """Admit or refuse a request of ``tokens`` (None: not tokenised yet, skip the token cap)
-        whose deadline is ``budget`` seconds away. ``tokenizing`` requests are on their way into
-        the queue ahead of it: each counts as the mean admitted request. Without them the check
-        before tokenising lets a whole burst through, only for most of it to be refused after its
+        whose deadline is ``budget`` seconds away. ``tokenizing_chars`` are the characters of the
+        requests being tokenised now, on their way into the queue ahead of it; they count at the
+        running tokens per character and the last measured speed. Without them the check before
+        tokenising lets a whole burst through, only for most of it to be refused after its
         tokenisation has cost the server its CPU and the client its time."""
         total = sum(queued.values())
         if tokens is not None and total and total + tokens > self.max_queue_tokens:
@@ -189,8 +194,8 @@ class AdmissionPolicy:
                              f"{self.max_queue_tokens}); retry after {retry} s")
         wait = self.predicted_wait(queued, running)
         limit = self.admit_share * budget
-        if wait is not None:
-            wait += tokenizing * self.request_seconds
+        if wait is not None and tokenizing_chars and self.estimate.last is not None:
+            wait += self.estimate.seconds_for(self.estimate.last, tokenizing_chars * self.tokens_per_char)
         if wait is None or wait <= limit:
             return Admission(None, wait)
         # By the time the deadline has passed, all that is queued now has started or been dropped.

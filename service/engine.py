@@ -326,12 +326,12 @@ class Engine:
         """Per text, its windows ``(ids with specials, weight)``: one window unless chunked."""
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
-        with self.scheduler.checked(request_budget(self.settings.request_timeout)):  # 429 before any work
+        with self.scheduler.checked(request_budget(self.settings.request_timeout), sum(map(len, texts))) as done:
             pieces = await loop.run_in_executor(self._tokenize_pool, self._split, texts, side, long_input)
+            done.lengths = [len(ids) for windows in pieces for ids, _ in windows]
         self.metrics.tokenize_duration.observe(time.monotonic() - t0)
-        for windows in pieces:
-            for ids, _ in windows:
-                self.metrics.input_length.observe(len(ids))
+        for n in done.lengths:
+            self.metrics.input_length.observe(n)
         return pieces
 
     def _split(self, texts: list[str], side: str, long_input: str) -> list[list[tuple[list[int], int]]]:

@@ -62,6 +62,11 @@ class FirstStart:
     started: bool = False
 
 
+@dataclass
+class _Tokenized:
+    lengths: list[int] = field(default_factory=list)  # tokens per input, once tokenised
+
+
 def _settle(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
     if future.done():  # the request already gave up (disconnect)
         return
@@ -92,7 +97,7 @@ class BatchScheduler:
         self._queued_tokens = 0
         self._queued_by_hashes: dict[int, int] = {}
         self._running: tuple[int, int, float] | None = None  # (hashes, padded tokens, start) on the model
-        self._tokenizing = 0  # requests between checked() and submit()
+        self._tokenizing_chars = 0  # characters of the requests inside checked()
         self._cond = threading.Condition()
         self._accepting = True
         self._stop = False
@@ -107,18 +112,22 @@ class BatchScheduler:
         return self._queued_tokens
 
     @contextmanager
-    def checked(self, budget: float):
-        """Around a request's tokenisation: raise Overloaded (429) at once if the queue ahead, with
-        the requests being tokenised before it, is predicted to outlast ``budget`` seconds, so a
-        refusal costs the server almost nothing; else count the request as on its way."""
+    def checked(self, budget: float, chars: int):
+        """Around the tokenisation of a request of ``chars`` characters: raise Overloaded (429) at
+        once if the queue ahead, with the requests being tokenised before it, is predicted to outlast
+        ``budget`` seconds, so a refusal costs the server almost nothing; else count the request as
+        on its way. The caller sets ``lengths`` on what it yields once it knows them."""
         with self._cond:
             self._admit(budget, None)
-            self._tokenizing += 1
+            self._tokenizing_chars += chars
+        text = _Tokenized()
         try:
-            yield
+            yield text
         finally:
             with self._cond:
-                self._tokenizing -= 1
+                self._tokenizing_chars -= chars
+                if text.lengths:
+                    self.admission.note_text(chars, sum(text.lengths))
 
     def submit(self, items: list[WorkItem]) -> Admission:
         """Enqueue all of a request's items or none: raises Overloaded (429) when the queue is over
@@ -128,7 +137,6 @@ class BatchScheduler:
             if not self._accepting:
                 raise NotReady("server is shutting down; retry on another replica")
             admission = self._admit(min(it.deadline for it in items) - time.monotonic(), tokens)
-            self.admission.note_request(items[0].hashes, tokens)
             if admission.predicted_wait is not None:
                 first = FirstStart(admission.predicted_wait)
                 for it in items:
@@ -147,8 +155,9 @@ class BatchScheduler:
         if self._running is not None:
             hashes, padded, start = self._running
             running = Running(hashes, padded, time.monotonic() - start)
-        admission = self.admission.decide(queued=self._queued_by_hashes, running=running, budget=max(budget, 0.0),
-                                          tokens=tokens, tokenizing=self._tokenizing if tokens is None else 0)
+        admission = self.admission.decide(
+            queued=self._queued_by_hashes, running=running, budget=max(budget, 0.0), tokens=tokens,
+            tokenizing_chars=self._tokenizing_chars if tokens is None else 0)
         if not admission.admitted:
             self.metrics.rejections.labels(admission.reason).inc()
             raise Overloaded(admission.message, retry_after=admission.retry_after, code=admission.reason)

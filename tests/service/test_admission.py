@@ -87,16 +87,19 @@ def test_each_hash_count_at_its_own_speed_and_unmeasured_ones_fall_back_to_the_t
     assert policy.decide(queued={}, running=None, budget=100, tokens=10**6).admitted  # empty queue: any size
 
 
-def test_requests_being_tokenised_count_ahead_as_the_mean_admitted_request():
+def test_requests_being_tokenised_count_ahead_at_the_learned_tokens_per_character():
     policy = _policy(rate=1000)
-    for _ in range(50):
-        policy.note_request(32, 200)  # 0.2 s of work each
-    policy.note_request(8, 10**6)  # a hash count never measured adds nothing
-    assert policy.request_seconds == pytest.approx(0.2, rel=0.01)
+    assert policy.tokens_per_char == 0.25  # until a request has been tokenised: 4 characters a token
+    for _ in range(60):
+        policy.note_text(chars=1000, tokens=125)  # this text: 8 characters a token
+    assert policy.tokens_per_char == pytest.approx(0.125, rel=0.01)
     queued = {32: 500}  # 0.5 s ahead; limit 0.8 x 1 s
-    assert policy.decide(queued=queued, running=None, budget=1.0, tokenizing=1).admitted  # 0.7 s
-    refused = policy.decide(queued=queued, running=None, budget=1.0, tokenizing=2)  # 0.9 s
+    # 1600 characters being tokenised: 200 tokens, 0.2 s at the last measured speed
+    assert policy.decide(queued=queued, running=None, budget=1.0, tokenizing_chars=1600).admitted  # 0.7 s
+    refused = policy.decide(queued=queued, running=None, budget=1.0, tokenizing_chars=3200)  # 0.9 s
     assert refused.reason == "predicted_wait" and refused.predicted_wait == pytest.approx(0.9, rel=0.01)
+    assert AdmissionPolicy(max_queue_tokens=10).decide(queued={}, running=None, budget=1.0,
+                                                       tokenizing_chars=10**9).admitted  # no speed known yet
 
 
 @pytest.mark.parametrize("raw,want", [(None, None), (b"2.5", 2.5), (b" 10 ", 10.0)])
