@@ -3,14 +3,14 @@
 Waiting out a deadline in the queue and answering 504 costs the client the whole deadline and the
 server nothing it could use; refusing at once lets the client retry elsewhere or later. The engine
 predicts when a new request would start from the work queued ahead of it and its own measured
-speed, and refuses when that is past the request's deadline. The queue-token cap
-(``max_queue_tokens``) stays as a hard limit underneath.
+speed, and refuses when that is past most (:data:`ADMIT_SHARE`) of the request's deadline. The
+queue-token cap (``max_queue_tokens``) stays as a hard limit underneath.
 
-Everything here is plain and clock-free: :class:`ThroughputEstimate` learns from the batches the
+The decision is plain and clock-free: :class:`ThroughputEstimate` learns from the batches the
 scheduler reports, :class:`AdmissionPolicy` decides from a snapshot of the queue, and both are
 unit-tested without threads or HTTP. The client's own deadline arrives in the ``x-request-timeout``
 header; the middleware parses it (:func:`parse_client_timeout`) and keeps it in a context variable
-for the one request.
+for the one request, which :func:`request_budget` reads.
 """
 
 from __future__ import annotations
