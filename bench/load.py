@@ -285,7 +285,7 @@ def main() -> None:
     p.add_argument("--overload", action="store_true", help="the overload scenario instead of the matrix")
     p.add_argument("--runs", type=int, default=3, help="overload: runs of (baseline, overload)")
     p.add_argument("--overload-clients", type=int, default=64)
-    p.add_argument("--baseline-clients", type=int, default=4, help="overload: the unsaturated run's clients")
+    p.add_argument("--baseline-clients", type=int, default=2, help="overload: the unsaturated run's clients")
     args = p.parse_args()
     if args.quick:
         args.requests, args.seconds = 64, 20.0
