@@ -8,7 +8,8 @@ fresh one by ``--baseline-clients`` (2: busy, but refusing nothing on 2 shared c
 ``--seconds``; requests in flight at the end are awaited so that every status is counted.
 Reported: the share of 504 answers, the p99 latency of 429 answers, and the accepted throughput:
 tokens per second of 200 answers completed within the window, and the model's own tokens per second
-over the window (only admitted inputs run), overload against baseline.
+over the window (only admitted inputs run), overload against baseline; and the padding (padded
+tokens computed per real token), which a deeper queue of mixed lengths raises.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Scenario:
     window: float
     answers: list[Answer] = field(default_factory=list)
     server_tokens: float = 0.0  # yoso_tokens_processed_total over the window: work the model did
+    padded_tokens: float = 0.0  # yoso_batch_tokens_sum over the window: what that work cost
 
     @property
     def server_tokens_per_s(self) -> float:
@@ -138,34 +140,36 @@ async def drive(url: str, label: str, bodies: list[bytes], clients: int, seconds
 
     async def tokens_over_window() -> None:
         async with httpx.AsyncClient(timeout=30) as http:
-            before = _tokens_processed((await http.get(f"{url}/metrics")).text)
+            before = _sample((await http.get(f"{url}/metrics")).text)
             await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
-            result.server_tokens = _tokens_processed((await http.get(f"{url}/metrics")).text) - before
+            after = _sample((await http.get(f"{url}/metrics")).text)
+        result.server_tokens, result.padded_tokens = (a - b for a, b in zip(after, before))
 
     await asyncio.wait_for(asyncio.gather(tokens_over_window(), *(client(i) for i in range(clients))),
                            seconds + DRAIN_S)
     return result
 
 
-def _tokens_processed(metrics: str) -> float:
-    """Tokens the model ran: only admitted inputs run, so this is the accepted work, counted as it
-    is done rather than when a whole request completes (a few dozen completions in a window make
-    a coarse count)."""
-    line = next(line for line in metrics.splitlines() if line.startswith("yoso_tokens_processed_total "))
-    return float(line.split()[1])
+def _sample(metrics: str) -> tuple[float, float]:
+    """(real tokens the model ran, padded tokens its batches cost). Only admitted inputs run, so the
+    first is the accepted work, counted as it is done."""
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith(("yoso_tokens_processed_total ", "yoso_batch_tokens_sum "))}
+    return values["yoso_tokens_processed_total"], values["yoso_batch_tokens_sum"]
 
 
 def table(rows: list[Scenario]) -> str:
     out = ["| scenario | clients | requests | 200 | 429 | 504 | 400/422 | other | 504 share | 429 p50 ms "
-           "| 429 p99 ms | 200 p50 ms | 200 p99 ms | accepted req/s | accepted tokens/s | model tokens/s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| 429 p99 ms | 200 p50 ms | 200 p99 ms | accepted req/s | accepted tokens/s | model tokens/s | padding |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in rows:
         rest = Counter(a.status for a in s.answers if a.status not in (200, 429, 504, 400, 422))
         other = ", ".join(f"{n}x {'no answer' if code == 0 else code}" for code, n in sorted(rest.items())) or "0"
         out.append(f"| {s.label} | {s.clients} | {len(s.answers)} | {s.count(200)} | {s.count(429)} | {s.count(504)} "
                    f"| {s.count(400, 422)} | {other} | {100 * s.share(504):.1f} % | {s.latency_ms(429, 50):.0f} "
                    f"| {s.latency_ms(429, 99):.0f} | {s.latency_ms(200, 50):.0f} | {s.latency_ms(200, 99):.0f} "
-                   f"| {s.accepted_per_s:.2f} | {s.accepted_tokens_per_s:.0f} | {s.server_tokens_per_s:.0f} |")
+                   f"| {s.accepted_per_s:.2f} | {s.accepted_tokens_per_s:.0f} | {s.server_tokens_per_s:.0f} "
+                   f"| {s.padded_tokens / max(s.server_tokens, 1):.2f} |")
     return "\n".join(out)
 
 
