@@ -119,9 +119,6 @@ class ThroughputEstimate:
         """Predicted forward time of ``real_tokens`` queued tokens, padding included."""
         return real_tokens * self.padding(hashes) / self.padded_tokens_per_s(hashes)
 
-    def rates(self) -> dict[int, float]:
-        return {h: self.padded_tokens_per_s(h) for h in self._by_hashes}
-
 
 @dataclass(frozen=True)
 class Running:
