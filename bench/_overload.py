@@ -50,7 +50,6 @@ class Answer:
     seconds: float
     status: int  # 0: the connection broke
     tokens: int  # x-compute-tokens of a 200
-    retry_after: float
 
 
 @dataclass
@@ -130,10 +129,9 @@ async def drive(url: str, label: str, bodies: list[bytes], clients: int, seconds
             except _BROKEN:
                 conn, status, headers = None, 0, {}
             t1 = time.perf_counter()
-            retry = float(headers.get("retry-after", 0))
-            result.answers.append(Answer(t0 - start, t1 - t0, status, int(headers.get("x-compute-tokens", 0)),
-                                         retry))
+            result.answers.append(Answer(t0 - start, t1 - t0, status, int(headers.get("x-compute-tokens", 0))))
             if status == 429:
+                retry = float(headers.get("retry-after", 0))
                 await asyncio.sleep(min(retry, max(0.0, stop_at - time.perf_counter())))
         if conn is not None:
             conn[1].close()
