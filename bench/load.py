@@ -6,12 +6,15 @@ workers over keep-alive HTTP/1.1 connections at concurrency 1, 8, 32, 64 for 128
 throughput on the same inputs beside it (same settings, no HTTP). A second server with
 --max-batch-requests 1 gives the dynamic-batching ratio. Every cell is bounded in request count
 and in seconds, so the run stops by itself. ``--soak 300`` samples the server's RSS under load.
+``--overload`` runs the overload scenario instead (bench/_overload.py: 64 clients against the
+default server, 504 share, 429 latency, accepted throughput against an unsaturated run).
 
     .venv/bin/python bench/load.py                  # full matrix
     .venv/bin/python bench/load.py --quick          # fewer requests per cell
     .venv/bin/python bench/load.py --soak 300       # plus a 5-minute RSS soak
+    .venv/bin/python bench/load.py --overload --runs 3 --seconds 60
 
-Prints a markdown table and writes bench/out/load.png (and load_soak.png).
+Prints a markdown table and writes bench/out/load.png (load_overload.png with --overload).
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ import numpy as np
 OUT = Path(__file__).resolve().parent / "out"
 SCRIPT = Path(sys.executable).parent / "yoso-serve"
 
+# appended, not prepended: nothing in bench/ may shadow an installed package
+sys.path.append(str(Path(__file__).resolve().parent))
+import _overload  # noqa: E402
+
 
 @dataclass
 class Cell:
@@ -54,13 +61,18 @@ class Cell:
         return float(np.percentile(self.latencies, q)) * 1000 if self.latencies else float("nan")
 
 
+def vocab_words(tok) -> list[str]:
+    """Words the default model's tokenizer keeps as one token each."""
+    return [w for w, _ in sorted(tok.tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+            if w.isalpha() and w.islower() and len(w) >= 3][:5000]
+
+
 def make_texts(n: int, tokens: int, seed: int) -> list[str]:
     """``n`` distinct texts of exactly ``tokens`` tokens (specials included) for the default model."""
     from yoso_serve.model import default_model_dir, load_pretrained
 
     tok = load_pretrained(default_model_dir()).tokenizer
-    words = [w for w, _ in sorted(tok.tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-             if w.isalpha() and w.islower() and len(w) >= 3][:5000]
+    words = vocab_words(tok)
     rng = np.random.default_rng(seed)
     texts = []
     for _ in range(n):
@@ -270,9 +282,22 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=60, help="most seconds per cell")
     p.add_argument("--quick", action="store_true", help="64 requests, 20 s per cell")
     p.add_argument("--soak", type=float, default=0, help="seconds of RSS soak at concurrency 8 (0 = none)")
+    p.add_argument("--overload", action="store_true", help="the overload scenario instead of the matrix")
+    p.add_argument("--runs", type=int, default=3, help="overload: runs of (baseline, overload)")
+    p.add_argument("--overload-clients", type=int, default=64)
+    p.add_argument("--baseline-clients", type=int, default=2, help="overload: the unsaturated run's clients")
     args = p.parse_args()
     if args.quick:
         args.requests, args.seconds = 64, 20.0
+    if args.overload:
+        from yoso_serve.model import default_model_dir, load_pretrained
+
+        OUT.mkdir(exist_ok=True)
+        words = vocab_words(load_pretrained(default_model_dir()).tokenizer)
+        _overload.run(words, start_server, stop_server, runs=args.runs, seconds=args.seconds,
+                      overload_clients=args.overload_clients, baseline_clients=args.baseline_clients,
+                      out_path=OUT / "load_overload.png")
+        return
     levels = [int(c) for c in args.concurrency.split(",")]
     lengths = [int(n) for n in args.lengths.split(",")]
     texts = {n: make_texts(64, n, seed=n) for n in lengths}

@@ -16,6 +16,7 @@ from typing import Awaitable, Callable
 import numpy as np
 import torch
 
+from .admission import SPEED_PROBE, request_budget
 from .errors import ClientGone, InvalidInput, NotReady
 from .metrics import ServiceMetrics
 from .params import ClassifyParams, EmbedParams, HiddenParams, Output, Usage
@@ -77,14 +78,15 @@ class Engine:
 
     # --- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
-        """Load weights, start the batching loop, run one warm-up batch, then become ready."""
+        """Load weights, start the batching loop, run the warm-up batches, then become ready."""
         try:
             await asyncio.to_thread(self._load)
             if self.state == "draining":  # SIGTERM while loading: nothing to warm up for
                 return
-            out = await self.embed(EmbedParams([WARMUP_TEXT]), warmup=True)
-            if not np.isfinite(out.value).all():
-                raise ValueError("warm-up embedding is not finite; the weights are broken")
+            for texts in ([WARMUP_TEXT], SPEED_PROBE):  # the second gives admission its first speed
+                out = await self.embed(EmbedParams(texts), warmup=True)
+                if not np.isfinite(out.value).all():
+                    raise ValueError("warm-up embedding is not finite; the weights are broken")
         except NotReady:
             if self.state == "draining":
                 return
@@ -338,11 +340,12 @@ class Engine:
         """Per text, its windows ``(ids with specials, weight)``: one window unless chunked."""
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
-        pieces = await loop.run_in_executor(self._tokenize_pool, self._split, texts, side, long_input)
+        with self.scheduler.checked(request_budget(self.settings.request_timeout), sum(map(len, texts))) as done:
+            pieces = await loop.run_in_executor(self._tokenize_pool, self._split, texts, side, long_input)
+            done.lengths = [len(ids) for windows in pieces for ids, _ in windows]
         self.metrics.tokenize_duration.observe(time.monotonic() - t0)
-        for windows in pieces:
-            for ids, _ in windows:
-                self.metrics.input_length.observe(len(ids))
+        for n in done.lengths:
+            self.metrics.input_length.observe(n)
         return pieces
 
     def _split(self, texts: list[str], side: str, long_input: str) -> list[list[tuple[list[int], int]]]:
@@ -365,7 +368,7 @@ class Engine:
                    usage: Usage, watch: Watch | None) -> list[np.ndarray]:
         """Queue one item per sequence, wait for all (or the client leaving), fill ``usage``."""
         loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + self.settings.request_timeout
+        deadline = time.monotonic() + request_budget(self.settings.request_timeout)
         items = [WorkItem(ids, hashes, kind, pooling, deadline, loop.create_future(), loop) for ids in seqs]
         self.scheduler.submit(items)
         gathered = asyncio.gather(*(it.future for it in items), return_exceptions=True)

@@ -53,13 +53,15 @@ class InvalidInput(ServiceError):
 
 
 class Overloaded(ServiceError):
-    """Queue over its token budget. ``retry_after`` (s) becomes the Retry-After header."""
+    """Refused at admission: the queue is over its token cap (code ``queue_full``) or predicted to
+    outlast the request's deadline (``predicted_wait``). ``retry_after`` (s) becomes the Retry-After
+    header."""
 
     type = "overloaded_error"
     default_code = "overloaded"
 
-    def __init__(self, message: str, *, retry_after: int = 1) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, retry_after: int = 1, code: str | None = None) -> None:
+        super().__init__(message, code=code)
         self.retry_after = retry_after
 
 

@@ -42,6 +42,18 @@ class ServiceMetrics:
         self.queue_tokens = Gauge("yoso_queue_tokens", "Tokens waiting in the batch queue", registry=r)
         self.queue_wait = Histogram("yoso_queue_wait_seconds", "Time an input waited in the queue",
                                     buckets=_SECONDS, registry=r)
+        self.rejections = Counter("yoso_rejections", "Requests refused with 429 at admission, by reason: "
+                                  "predicted_wait (would start after its deadline) or queue_full "
+                                  "(over max_queue_tokens)", ["reason"], registry=r)
+        for reason in ("predicted_wait", "queue_full"):  # both series exist from the start, at 0
+            self.rejections.labels(reason)
+        self.predicted_wait = Histogram("yoso_admission_predicted_wait_seconds", "Predicted wait before an "
+                                        "admitted request's first input starts", buckets=_SECONDS, registry=r)
+        self.actual_wait = Histogram("yoso_admission_actual_wait_seconds", "Actual wait before an admitted "
+                                     "request's first input started (requests with a prediction only)",
+                                     buckets=_SECONDS, registry=r)
+        self.throughput = Gauge("yoso_throughput_padded_tokens_per_second", "The admission's running "
+                                "estimate of padded tokens per second, per hash count", ["hashes"], registry=r)
         self.tokenize_duration = Histogram("yoso_tokenize_duration_seconds",
                                            "Tokenisation time per request", buckets=_SECONDS, registry=r)
         self.inference_duration = Histogram("yoso_inference_duration_seconds",

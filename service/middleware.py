@@ -1,8 +1,9 @@
 """The edge of every request, as one plain ASGI middleware (no BaseHTTPMiddleware: it would
 buffer responses and break the disconnect watch).
 
-In order: request id, API key, body size (before any parsing, chunked bodies included), then the
-app; afterwards request metrics. Anything the app lets escape becomes a sanitised 500 here, with
+In order: request id, API key, the client's deadline (``x-request-timeout``, kept for the engine in
+a context variable), body size (before any parsing, chunked bodies included), then the app;
+afterwards request metrics. Anything the app lets escape becomes a sanitised 500 here, with
 the traceback in the server log only.
 """
 
@@ -14,6 +15,7 @@ import logging
 import time
 import uuid
 
+from .admission import client_deadline, parse_client_timeout
 from .errors import InternalError, PayloadTooLarge, ServiceError, Unauthorized, error_body, status_of
 from .metrics import ServiceMetrics
 
@@ -78,8 +80,11 @@ class EdgeMiddleware:
         work = path in WORK_ROUTES
         if work:
             self.metrics.in_flight.inc()
+        deadline_token = None
         try:
             error = self._check_key(path, headers)
+            if error is None and work:
+                error, deadline_token = self._client_deadline(headers)
             body = b""
             if error is None:
                 body, error = await self._read_body(headers, receive)
@@ -92,6 +97,8 @@ class EdgeMiddleware:
             if not state["started"]:
                 await self._send_error(InternalError(), send_with_id)
         finally:
+            if deadline_token is not None:
+                client_deadline.reset(deadline_token)
             if work:
                 self.metrics.in_flight.dec()
             status = state["status"]
@@ -109,6 +116,17 @@ class EdgeMiddleware:
         if not hmac.compare_digest(token.strip(), self._key):
             return Unauthorized("wrong API key")
         return None
+
+    @staticmethod
+    def _client_deadline(headers: dict):
+        """(error, context token): the client's deadline, counted from the request's arrival."""
+        try:
+            seconds = parse_client_timeout(headers.get(b"x-request-timeout"))
+        except ServiceError as exc:
+            return exc, None
+        if seconds is None:
+            return None, None
+        return None, client_deadline.set(time.monotonic() + seconds)
 
     async def _read_body(self, headers: dict, receive) -> tuple[bytes, ServiceError | None]:
         too_large = PayloadTooLarge(f"request body is over payload_limit ({self.payload_limit} bytes); "

@@ -2,20 +2,22 @@
 
 Requests live on the asyncio loop; the model runs on this thread so a forward never blocks the
 event loop. Futures are resolved with ``loop.call_soon_threadsafe`` because asyncio futures are
-not thread-safe. Which items form a batch is decided by :func:`plan_batch` (pure, unit-tested).
+not thread-safe. Which items form a batch is decided by :func:`plan_batch`, and whether a request
+may join the queue by :class:`AdmissionPolicy` (both pure, unit-tested).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Callable, Hashable
 
+from .admission import Admission, AdmissionPolicy, Running
 from .batching import plan_batch
 from .errors import ClientGone, DeadlineExceeded, InternalError, NotReady, Overloaded, ServiceError
 from .metrics import ServiceMetrics
@@ -40,6 +42,7 @@ class WorkItem:
     queue_wait: float = 0.0
     inference: float = 0.0
     batch_id: int = -1
+    first_start: FirstStart | None = None  # shared by the request's items when its wait was predicted
 
     @property
     def length(self) -> int:
@@ -48,6 +51,20 @@ class WorkItem:
     @property
     def group(self) -> Hashable:
         return (self.hashes, self.kind, self.pooling)
+
+
+@dataclass(eq=False)
+class FirstStart:
+    """One admitted request's predicted wait; the actual one is observed beside it when the first of
+    the request's inputs starts."""
+
+    predicted: float
+    started: bool = False
+
+
+@dataclass
+class _Tokenized:
+    lengths: list[int] = field(default_factory=list)  # tokens per input, once tokenised
 
 
 def _settle(future: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
@@ -74,15 +91,17 @@ class BatchScheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
         self.max_wait = max_wait_ms / 1000.0
-        self.max_queue_tokens = max_queue_tokens
         self.metrics = metrics
+        self.admission = AdmissionPolicy(max_queue_tokens=max_queue_tokens)
         self._queue: list[WorkItem] = []
         self._queued_tokens = 0
+        self._queued_by_hashes: dict[int, int] = {}
+        self._running: tuple[int, int, float] | None = None  # (hashes, padded tokens, start) on the model
+        self._tokenizing_chars = 0  # characters of the requests inside checked()
         self._cond = threading.Condition()
         self._accepting = True
         self._stop = False
         self._batch_ids = count()
-        self._tokens_per_s = 0.0  # running estimate, for Retry-After
         self._thread = threading.Thread(target=self._loop, name="yoso-batcher", daemon=True)
 
     def start(self) -> None:
@@ -92,21 +111,57 @@ class BatchScheduler:
     def queued_tokens(self) -> int:
         return self._queued_tokens
 
-    def submit(self, items: list[WorkItem]) -> None:
-        """Enqueue all of a request's items or none: raises Overloaded (429) or NotReady (draining)."""
+    @contextmanager
+    def checked(self, budget: float, chars: int):
+        """Around the tokenisation of a request of ``chars`` characters: raise Overloaded (429) at
+        once if the queue ahead, with the requests being tokenised before it, is predicted to outlast
+        ``budget`` seconds, so a refusal costs the server almost nothing; else count the request as
+        on its way. The caller sets ``lengths`` on what it yields once it knows them."""
+        with self._cond:
+            self._admit(budget, None)
+            self._tokenizing_chars += chars
+        text = _Tokenized()
+        try:
+            yield text
+        finally:
+            with self._cond:
+                self._tokenizing_chars -= chars
+                if text.lengths:
+                    self.admission.note_text(chars, sum(text.lengths))
+
+    def submit(self, items: list[WorkItem]) -> Admission:
+        """Enqueue all of a request's items or none: raises Overloaded (429) when the queue is over
+        its token cap or predicted to outlast the items' deadline, NotReady (503) when draining."""
         tokens = sum(it.length for it in items)
         with self._cond:
             if not self._accepting:
                 raise NotReady("server is shutting down; retry on another replica")
-            # An empty queue takes any request, so one request larger than the budget still runs.
-            if self._queue and self._queued_tokens + tokens > self.max_queue_tokens:
-                raise Overloaded(f"queue is full ({self._queued_tokens} tokens queued, limit "
-                                 f"max_queue_tokens={self.max_queue_tokens}); retry later",
-                                 retry_after=self._retry_after(tokens))
+            admission = self._admit(min(it.deadline for it in items) - time.monotonic(), tokens)
+            if admission.predicted_wait is not None:
+                first = FirstStart(admission.predicted_wait)
+                for it in items:
+                    it.first_start = first
             self._queue.extend(items)
             self._queued_tokens += tokens
+            for it in items:
+                self._queued_by_hashes[it.hashes] = self._queued_by_hashes.get(it.hashes, 0) + it.length
             self._publish_queue()
             self._cond.notify()
+        return admission
+
+    def _admit(self, budget: float, tokens: int | None) -> Admission:
+        """Under the lock: the policy's decision on the queue as it is now; raises when refused."""
+        running = None
+        if self._running is not None:
+            hashes, padded, start = self._running
+            running = Running(hashes, padded, time.monotonic() - start)
+        admission = self.admission.decide(
+            queued=self._queued_by_hashes, running=running, budget=max(budget, 0.0), tokens=tokens,
+            tokenizing_chars=self._tokenizing_chars if tokens is None else 0)
+        if not admission.admitted:
+            self.metrics.rejections.labels(admission.reason).inc()
+            raise Overloaded(admission.message, retry_after=admission.retry_after, code=admission.reason)
+        return admission
 
     def cancel(self, items: list[WorkItem]) -> None:
         """Mark items whose client went away; the loop drops them instead of running them."""
@@ -133,10 +188,6 @@ class BatchScheduler:
         with self._cond:
             self._accepting = False
 
-    def _retry_after(self, tokens: int) -> int:
-        rate = self._tokens_per_s or 1000.0
-        return max(1, math.ceil((self._queued_tokens + tokens - self.max_queue_tokens) / rate))
-
     def _publish_queue(self) -> None:
         self.metrics.queue_items.set(len(self._queue))
         self.metrics.queue_tokens.set(self._queued_tokens)
@@ -146,6 +197,8 @@ class BatchScheduler:
         keep = set(range(len(self._queue))) - set(indices)
         self._queue = [self._queue[i] for i in sorted(keep)]
         self._queued_tokens -= sum(it.length for it in picked)
+        for it in picked:
+            self._queued_by_hashes[it.hashes] -= it.length
         self._publish_queue()
         return picked
 
@@ -187,22 +240,30 @@ class BatchScheduler:
             self.metrics.failures.labels("client_disconnected").inc()
             error: ServiceError = ClientGone("client disconnected before the input ran")
         else:
-            error = DeadlineExceeded(f"input waited longer than request_timeout "
-                                     f"({item.deadline - item.enqueued:.1f} s) in the queue; retry later")
+            error = DeadlineExceeded(f"input waited longer than its deadline ({item.deadline - item.enqueued:.1f} s: "
+                                     f"request_timeout, or x-request-timeout when lower) in the queue; retry later")
         self._resolve(item, error=error)
 
     def _run(self, batch: list[WorkItem]) -> None:
         start = time.monotonic()
         batch_id = next(self._batch_ids)
+        padded = len(batch) * max(it.length for it in batch)
         for it in batch:
             it.queue_wait = start - it.enqueued
             it.batch_id = batch_id
             self.metrics.queue_wait.observe(it.queue_wait)
+            first = it.first_start
+            if first is not None and not first.started:
+                first.started = True
+                self.metrics.predicted_wait.observe(first.predicted)
+                self.metrics.actual_wait.observe(it.queue_wait)
+        self._running = (batch[0].hashes, padded, start)
         try:
             outputs = self._run_batch(batch)
             if len(outputs) != len(batch):
                 raise RuntimeError(f"batch of {len(batch)} inputs gave {len(outputs)} outputs")
         except Exception as exc:  # noqa: BLE001 - every failure must reach its request
+            self._running = None
             if len(batch) > 1:
                 for it in batch:  # isolate the input that fails
                     self._run([it])
@@ -211,11 +272,19 @@ class BatchScheduler:
             return
         elapsed = time.monotonic() - start
         tokens = sum(it.length for it in batch)
+        hashes = batch[0].hashes
+        with self._cond:  # submit() reads the estimate on the event loop's thread
+            self._running = None
+            # Batch 0 is the engine's first warm-up: a few tokens, one-off costs and per-batch
+            # overhead, whose speed would make the first predictions many times too long.
+            if batch_id > 0:
+                self.admission.estimate.observe(hashes, tokens, padded, elapsed)
+        if self.admission.estimate.known(hashes):
+            self.metrics.throughput.labels(str(hashes)).set(self.admission.estimate.padded_tokens_per_s(hashes))
         self.metrics.inference_duration.observe(elapsed)
         self.metrics.batch_size.observe(len(batch))
-        self.metrics.batch_tokens.observe(len(batch) * max(it.length for it in batch))
+        self.metrics.batch_tokens.observe(padded)
         self.metrics.tokens.inc(tokens)
-        self._tokens_per_s = 0.8 * self._tokens_per_s + 0.2 * tokens / max(elapsed, 1e-6)
         for it, out in zip(batch, outputs):
             it.inference = elapsed
             self._resolve(it, result=out)

@@ -37,7 +37,8 @@ class ServeSettings(BaseSettings):
     max_wait_ms: float = Field(2.0, ge=0, description="How long the batcher waits for a fuller "
                                "batch once the oldest item is queued.")
     max_queue_tokens: int = Field(262144, ge=1, description="Queued tokens above which new "
-                                  "requests get 429 with Retry-After.")
+                                  "requests get 429 with Retry-After (a hard cap under the "
+                                  "admission by predicted wait).")
     max_client_batch_size: int = Field(64, ge=1, description="Most inputs in one request.")
     max_input_length: int | None = Field(None, ge=2, description="Token limit per input (with "
                                          "specials). Default and upper bound: the model's "
@@ -45,7 +46,9 @@ class ServeSettings(BaseSettings):
     payload_limit: int = Field(2_000_000, ge=1, description="Largest request body in bytes "
                                "(checked before parsing, chunked bodies included).")
     request_timeout: float = Field(30.0, gt=0, description="Seconds an input may wait in the queue "
-                                   "before it is dropped with 504.")
+                                   "before it is dropped with 504. A request whose predicted wait is "
+                                   "over 0.8 x this gets 429 at once; a client may ask for less with "
+                                   "the x-request-timeout header, never more.")
     threads: int | None = Field(None, ge=1, description="torch CPU threads. Default: torch's "
                                 "choice (the number of cores).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when "

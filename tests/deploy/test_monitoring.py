@@ -52,7 +52,8 @@ def test_alerts_fire_on_their_scenarios(kit):
     alerts = {r["alert"] for g in yaml.safe_load((kit.DEPLOY / "prometheus" / "rules.yml").read_text())["groups"]
               for r in g["rules"]}
     tested = set(re.findall(r"alertname: (\w+)", (kit.REPO / "tests" / "deploy" / "alerts_test.yml").read_text()))
-    assert alerts == tested == {"YosoHighErrorRatio", "YosoQueueWaitHigh", "YosoReplicaNotReady", "YosoTargetDown"}
+    assert alerts == tested == {"YosoHighErrorRatio", "YosoQueueWaitHigh", "YosoRequestsRefused",
+                                "YosoReplicaNotReady", "YosoTargetDown"}
 
 
 def test_dashboard_queries_are_valid_promql(kit, tmp_path, dashboard):
@@ -83,7 +84,8 @@ def test_dashboard_covers_the_issue_panels(kit, dashboard):
     for metric in ("yoso_requests_total", "yoso_request_duration_seconds_bucket", "yoso_queue_items",
                    "yoso_queue_tokens", "yoso_queue_wait_seconds_bucket", "yoso_batch_size_bucket",
                    "yoso_batch_tokens_bucket", "yoso_tokens_processed_total", "yoso_gpu_memory_bytes",
-                   "yoso_failures_total"):
+                   "yoso_failures_total", "yoso_rejections_total", "yoso_admission_predicted_wait_seconds_bucket",
+                   "yoso_admission_actual_wait_seconds_bucket"):
         assert metric in exprs, metric
     for q in ("0.5", "0.95", "0.99"):
         assert f"histogram_quantile({q}, sum by (le, route) (rate(yoso_request_duration_seconds_bucket" in exprs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -30,9 +31,10 @@ def slow_loader(path, delay: float = 0.3, *, fail: bool = False, gate: threading
             gate.wait(10)
         model = load_pretrained(path)
         real = model.embed
+        calls = itertools.count()
 
         def embed(*args, **kw):
-            if fail and args[0].shape[1] > 6:  # the warm-up (5 tokens) passes, requests fail
+            if fail and next(calls) >= 2:  # the two warm-up batches pass, requests fail
                 raise RuntimeError("secret internal detail /srv/weights")
             time.sleep(delay)
             return real(*args, **kw)
@@ -152,15 +154,17 @@ def test_429_when_the_queue_is_full_with_retry_after(tiny_dir, serve, metric):
                          max_batch_requests=1, max_queue_tokens=20) as c:
             rs = await asyncio.gather(*(c.post("/embed", json={"inputs": "one two three four five six"})
                                         for _ in range(6)))
-            return rs, metric(c, "yoso_failures_total", reason="overloaded")
+            return rs, metric(c, "yoso_failures_total", reason="overloaded"), metric(
+                c, "yoso_rejections_total", reason="queue_full")
 
-    rs, overloaded = asyncio.run(main())
+    rs, overloaded, queue_full = asyncio.run(main())
     statuses = sorted(r.status_code for r in rs)
     assert 200 in statuses and 429 in statuses and set(statuses) <= {200, 429}
     refused = [r for r in rs if r.status_code == 429]
     assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
     assert "max_queue_tokens=20" in error_of(refused[0], 429)["message"]
-    assert overloaded == len(refused)
+    assert {r.json()["error"]["code"] for r in refused} <= {"queue_full", "predicted_wait"}
+    assert overloaded == len(refused) and queue_full >= 1
 
 
 def root_bodies(doc: dict) -> int:
@@ -197,18 +201,30 @@ def test_503_while_loading_and_while_draining(tiny_dir, serve):
     assert draining[2].status_code == 200  # liveness is not readiness
 
 
-def test_504_when_an_input_outlives_its_deadline(tiny_dir, serve, metric):
+@pytest.mark.parametrize("first_hashes", [None, 4])
+def test_429_at_once_when_predicted_late_and_504_when_nothing_could_predict_it(tiny_dir, serve, metric,
+                                                                                first_hashes):
+    # The first input holds the model for 0.4 s; the second's deadline is 0.1 s. At the served hash
+    # count the warm-up's speed probe (as long as the first input: the tiny model's 64 tokens, also
+    # 0.4 s) measured the speed, so the second is refused at once; at a hash count never run before
+    # there is nothing to predict from, it is queued and outlives its deadline.
     async def main():
         async with serve(tiny_dir, chunk_overlap=16, load_model=slow_loader(tiny_dir, 0.4),
                          max_batch_requests=1, request_timeout=0.1) as c:
-            first = asyncio.create_task(c.post("/embed", json={"inputs": "first one in"}))
+            first = asyncio.create_task(c.post("/embed", json={"inputs": "first " * 70, "hashes": first_hashes}))
             await asyncio.sleep(0.05)
             late = await c.post("/embed", json={"inputs": "second one waits"})
-            return await first, late, metric(c, "yoso_failures_total", reason="deadline")
+            return (await first, late, metric(c, "yoso_failures_total", reason="deadline"),
+                    metric(c, "yoso_rejections_total", reason="predicted_wait"))
 
-    first, late, deadline = asyncio.run(main())
+    first, late, deadline, rejected = asyncio.run(main())
     assert first.status_code == 200
-    assert "request_timeout" in error_of(late, 504)["message"] and deadline == 1
+    if first_hashes is None:
+        err = error_of(late, 429)
+        assert err["code"] == "predicted_wait" and "deadline of 0.10 s" in err["message"]
+        assert int(late.headers["retry-after"]) >= 1 and rejected == 1 and deadline == 0
+    else:
+        assert "request_timeout" in error_of(late, 504)["message"] and deadline == 1 and rejected == 0
 
 
 def test_500_is_sanitised_and_the_traceback_goes_to_the_log(tiny_dir, serve, caplog):

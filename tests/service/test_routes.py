@@ -196,4 +196,7 @@ def test_info_health_ready_metrics_docs(tiny_dir, serve):
     assert 'yoso_input_length_tokens_bucket{le="64.0"}' in text and 'le="128.0"' not in text.split(
         "yoso_input_length_tokens_bucket")[1].split("yoso_")[0]
     assert 'hashes="8"' in text and 'device="cpu"' in text
+    # admission: both refusal reasons exist from the start; the warm-up's speed probe measured hashes 8
+    assert 'yoso_rejections_total{reason="predicted_wait"} 0.0' in text and 'reason="queue_full"} 0.0' in text
+    assert 'yoso_throughput_padded_tokens_per_second{hashes="8"}' in text
     assert r["/docs"].status_code == 200 and "/v1/embeddings" in r["/openapi.json"].json()["paths"]

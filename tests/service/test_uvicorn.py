@@ -155,3 +155,35 @@ def test_a_model_that_cannot_start_exits_1_with_the_reason(tiny_dir, yoso_server
                           "--chunk-overlap", "100"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "--chunk-overlap 100 must be below the window of 62 tokens" in out.stderr
+
+
+def test_overload_is_refused_at_once_with_429_not_left_to_504(yoso_server):
+    # A 1 s deadline and 40 requests of ~500 tokens sent at once: several seconds of work on any
+    # CPU. What cannot start within the deadline must be told so at once (429), not after it (504).
+    proc, url = yoso_server.start("--request-timeout", "1")
+    text = " ".join(f"word{i % 50}" for i in range(250))
+
+    async def one(client, i):
+        t0 = time.monotonic()
+        r = await client.post(f"{url}/embed", json={"inputs": f"{i} {text}"})
+        return r, time.monotonic() - t0
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=40)) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(40)))
+
+    try:
+        results = asyncio.run(main())
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    finally:
+        yoso_server.stop(proc)
+    statuses = [r.status_code for r, _ in results]
+    refused = [(r, seconds) for r, seconds in results if r.status_code == 429]
+    assert set(statuses) <= {200, 429, 504} and 200 in statuses, statuses
+    assert len(refused) >= 20, statuses
+    assert sum(seconds < 1.0 for _, seconds in refused) >= 0.8 * len(refused), sorted(s for _, s in refused)
+    assert all(r.json()["error"]["code"] == "predicted_wait" and int(r.headers["retry-after"]) >= 1
+               for r, _ in refused)
+    assert statuses.count(504) <= 4, statuses
+    counted = re.search(r'^yoso_rejections_total\{reason="predicted_wait"\} (\S+)$', metrics, flags=re.M)
+    assert float(counted.group(1)) == len(refused)
