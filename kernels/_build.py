@@ -44,7 +44,7 @@ _POLICIES = ("auto", "torch", "cpp")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # Two translation units: the torch-facing binding and the torch-free kernels (the header they
 # share only declares structs and functions, so any kernel change shows in a source's hash).
-_SOURCES = [_CSRC / "yoso_cpu.cpp", _CSRC / "yoso_cpu_kernels.cpp"]
+_SOURCES = [_CSRC / name for name in ("yoso_cpu.cpp", "yoso_cpu_kernels.cpp", "yoso_cpu_simd.cpp", "yoso_cpu_exact.cpp")]
 _EXTENSION_NAME = "yoso_serve_cpu"
 
 logger = logging.getLogger("yoso_serve.kernels")
