@@ -78,7 +78,7 @@ def cpp_exact_fn(ext):
     """The :class:`YosoExactCppFn` ``apply`` bound to the loaded extension ``ext``."""
 
     def apply(q, k, v, keep, hash_bits, true_grad=False):
-        return YosoExactCppFn.apply(q, k, v, keep, hash_bits, true_grad, ext)
+        return YosoExactCppFn.apply(q, k, v, keep.contiguous(), hash_bits, true_grad, ext)
 
     return apply
 
