@@ -157,7 +157,7 @@ class Kernels(NamedTuple):
     """One backend's implementations: ``codes(x, num_hashes, hash_bits, seed, fast_hash)``
     → (B, H, m, N) int32 equal to :func:`hash_codes`, plus the two cumulations; where the
     backend has them, ``fused(q, k, v, key_mask, num_hashes, hash_bits, seed, fast_hash)`` (LSH
-    forward without autograd, hashing and cumulation in one pass) and ``exact`` (a
+    forward without autograd, hashing and cumulation in one pass; num_hashes = 0: YOSO-E) and ``exact`` (a
     :class:`~.exact.YosoExactFn`-compatible ``apply``)."""
 
     codes: Callable
@@ -182,10 +182,14 @@ def _cpp_codes(ext):
 
 
 def _cpp_fused(ext):
+    # Strided (B, H, N, D) views go in as they are, and the output comes back as a view of
+    # (B, N, H, D) memory: a model's head split and merge cost no copies.
     def fused(q, k, v, key_mask, num_hashes, hash_bits, seed, fast_hash):
-        proj = _projection(seed, q.shape[1], num_hashes, hash_bits, q.shape[-1], bool(fast_hash), q.device)
         keep = None if key_mask is None else key_mask.to(torch.bool).contiguous()
-        q, k, v = (t.float().contiguous() for t in (q, k, v))
+        q, k, v = (t.float() if t.stride(-1) == 1 else t.float().contiguous() for t in (q, k, v))
+        if num_hashes == 0:
+            return ext.exact_attention(q, k, v, keep, hash_bits)
+        proj = _projection(seed, q.shape[1], num_hashes, hash_bits, q.shape[-1], bool(fast_hash), q.device)
         return ext.lsh_attention(q, k, v, proj, keep, num_hashes, hash_bits)
 
     return fused
@@ -325,9 +329,10 @@ def yoso_attention(
     kernels = _kernels(backend, q.device)  # an unavailable backend fails in every mode, before any work
     lsh = not (exact or num_hashes == 0)
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if lsh and kernels.fused is not None and not grads:
-        # A code is the sign pattern of x·w, the same for q and q̂: inference needs no normalising.
-        return kernels.fused(q, k, v, key_mask, num_hashes, hash_bits, seed, fast_hash).to(q.dtype)
+    if kernels.fused is not None and not grads:
+        # A code is the sign pattern of x·w, the same for q and q̂: LSH inference needs no normalising.
+        hashes = num_hashes if lsh else 0
+        return kernels.fused(q, k, v, key_mask, hashes, hash_bits, seed, fast_hash).to(q.dtype)
     q_hat, k_hat, values, keep = _prepare(q, k, v, key_mask)
     flat = (batch * heads, length, dim)
     # the C++ kernels take contiguous (BH, N, D) rows; a transposed (B, N, H, D) input is not

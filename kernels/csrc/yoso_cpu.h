@@ -27,6 +27,9 @@ struct HashParams {
   int hash_bits;
 };
 
+// q, k, v, out are (B, H, N, D|Dv) views with unit stride along D: element (b, h, i, c) of x is at
+// x + b * x_stride[0] + h * x_stride[1] + i * x_stride[2] + c, so (B, N, H, D) memory, as a model's
+// head split leaves it, is read and written in place.
 struct AttentionParams {
   const float* q;        // (B, H, N, D), any scale: a code is a sign pattern
   const float* k;        // (B, H, N, D)
@@ -35,6 +38,7 @@ struct AttentionParams {
   const uint8_t* keep;   // (B, N) 0 = padded token (masked key and query), or null
   float* out;            // (B, H, N, Dv), zero on entry
   int64_t batch, heads, n, d, dv, m;
+  int64_t q_stride[3], k_stride[3], v_stride[3], out_stride[3];
   int hash_bits;
 };
 
@@ -49,6 +53,8 @@ struct ExactParams {
   float* grad_k;      // (BH, N, D), backward, zero on entry
   float* grad_v;      // (BH, N, Dv), backward, zero on entry
   int64_t bh, n, d, dv;
+  int64_t heads;                      // v and out rows of (batch*head) b start at b / heads, b % heads:
+  int64_t v_stride[3], out_stride[3]; // strides as in AttentionParams (forward only)
   int tau;
   bool true_grad;     // backward: the forward's derivative instead of the paper's tau/2 E[B] bound
   float min_sine;     // floor of sin(theta) in the true derivative
@@ -66,6 +72,9 @@ void hash_codes(const HashParams& p, int nthreads);
 void lsh_attention(const AttentionParams& p, int nthreads);
 // out = ((1 - arccos(q.k)/pi)^tau * keep_k) v * keep_q, in query x key blocks (yoso_cpu_exact.cpp)
 void exact_forward(const ExactParams& p, int nthreads);
+// The same forward from raw (B, H, N, D) views (AttentionParams' q, k, v, keep, out, strides):
+// rows are l2-normalised here (x / max(|x|, 1e-12), as F.normalize), for inference.
+void exact_attention(const AttentionParams& p, int nthreads);
 // grad_v = W^T g, grad_q = (g v^T * slope) k, grad_k = (g v^T * slope)^T q with g = grad * keep_q
 void exact_backward(const ExactParams& p, int nthreads);
 

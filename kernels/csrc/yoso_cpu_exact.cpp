@@ -9,6 +9,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "yoso_cpu.h"
@@ -47,6 +49,8 @@ void exact_forward(const ExactParams& p, int nthreads) {
     for (int64_t item = 0; item < p.bh * blocks; ++item) {
       const int64_t b = item / blocks, i0 = (item % blocks) * kQueryBlock, rows = std::min(kQueryBlock, p.n - i0);
       const float* keep = p.keep + b * p.n;
+      const float* v = p.v + (b / p.heads) * p.v_stride[0] + (b % p.heads) * p.v_stride[1];
+      float* out = p.out + (b / p.heads) * p.out_stride[0] + (b % p.heads) * p.out_stride[1];
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j0 = 0; j0 < p.n; j0 += kKeyBlock) {
         const int64_t cols = std::min(kKeyBlock, p.n - j0);
@@ -54,15 +58,48 @@ void exact_forward(const ExactParams& p, int nthreads) {
                    tile.data(), kKeyBlock, false);
         for (int64_t r = 0; r < rows; ++r)
           simd::collision_weights(tile.data() + r * kKeyBlock, nullptr, keep + j0, cols, p.tau, false, 0.f);
-        simd::gemm(tile.data(), kKeyBlock, p.v + (b * p.n + j0) * p.dv, p.dv, rows, cols, p.dv, acc.data(), p.dv,
+        simd::gemm(tile.data(), kKeyBlock, v + j0 * p.v_stride[2], p.v_stride[2], rows, cols, p.dv, acc.data(), p.dv,
                    true);
       }
       for (int64_t r = 0; r < rows; ++r) {  // padded queries give zero rows
-        float* o = p.out + (b * p.n + i0 + r) * p.dv;
+        float* o = out + (i0 + r) * p.out_stride[2];
         for (int64_t c = 0; c < p.dv; ++c) o[c] = acc[r * p.dv + c] * keep[i0 + r];
       }
     }
   }
+}
+
+void exact_attention(const AttentionParams& a, int nthreads) {
+  ExactParams p{};
+  p.bh = a.batch * a.heads;
+  p.n = a.n;
+  p.d = a.d;
+  p.dv = a.dv;
+  p.heads = a.heads;
+  std::copy(a.v_stride, a.v_stride + 3, p.v_stride);
+  std::copy(a.out_stride, a.out_stride + 3, p.out_stride);
+  p.tau = a.hash_bits;
+  p.v = a.v;
+  p.out = a.out;
+  std::vector<float> q(p.bh * p.n * p.d), k(p.bh * p.n * p.d), keep(p.bh * p.n);
+#pragma omp parallel for num_threads(threads_for_heads(p, nthreads)) schedule(static)
+  for (int64_t b = 0; b < p.bh; ++b) {
+    const int64_t batch = b / a.heads, head = b % a.heads;
+    for (int64_t i = 0; i < p.n; ++i) {
+      keep[b * p.n + i] = a.keep == nullptr || a.keep[batch * p.n + i] ? 1.f : 0.f;
+      for (auto [src, stride, dst] : {std::tuple{a.q, a.q_stride, q.data()}, std::tuple{a.k, a.k_stride, k.data()}}) {
+        const float* x = src + batch * stride[0] + head * stride[1] + i * stride[2];
+        float sq = 0.f;
+        for (int64_t c = 0; c < p.d; ++c) sq += x[c] * x[c];
+        const float scale = 1.f / std::max(std::sqrt(sq), 1e-12f);
+        for (int64_t c = 0; c < p.d; ++c) dst[(b * p.n + i) * p.d + c] = x[c] * scale;
+      }
+    }
+  }
+  p.q = q.data();
+  p.k = k.data();
+  p.keep = keep.data();
+  exact_forward(p, nthreads);
 }
 
 void exact_backward(const ExactParams& p, int nthreads) {

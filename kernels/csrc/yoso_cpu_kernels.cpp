@@ -70,7 +70,7 @@ inline float dot_row(const float* __restrict a, const float* __restrict b, int64
 
 // Sum V rows per occupied bucket of one hash; slots are numbered by first key to arrive.
 YOSO_SIMD_CLONES
-void build_value_table(const int32_t* codes, const float* v, int64_t nk, int64_t dv, int32_t* slot_of,
+void build_value_table(const int32_t* codes, const float* v, int64_t ldv, int64_t nk, int64_t dv, int32_t* slot_of,
                        float* table) {
   int32_t used = 0;
   for (int64_t j = 0; j < nk; ++j) {
@@ -79,9 +79,9 @@ void build_value_table(const int32_t* codes, const float* v, int64_t nk, int64_t
     int32_t s = slot_of[c];
     if (s < 0) {
       slot_of[c] = s = used++;
-      std::copy(v + j * dv, v + (j + 1) * dv, table + int64_t(s) * dv);
+      std::copy(v + j * ldv, v + j * ldv + dv, table + int64_t(s) * dv);
     } else {
-      add_row(table + int64_t(s) * dv, v + j * dv, dv);
+      add_row(table + int64_t(s) * dv, v + j * ldv, dv);
     }
   }
 }
@@ -95,7 +95,7 @@ void clear_slots(const int32_t* codes, int64_t nk, int32_t* slot_of) {
 // order. ptrs (kRowBlock x hn) holds the table row each (row, hash) reads, null when none.
 void gather_block(const int32_t* qc, int64_t nq, int64_t dv, int64_t buckets, int64_t h0, int64_t hn,
                   const int32_t* slot_of, const float* tables, int64_t slots, float* out, int64_t i0, int64_t i1,
-                  float scale, const float** ptrs) {
+                  int64_t ldo, float scale, const float** ptrs) {
   for (int64_t t = 0; t < hn; ++t) {  // hash-major: one slot map and one codes line at a time
     const int32_t* codes = qc + (h0 + t) * nq;
     const int32_t* slot_of_t = slot_of + t * buckets;
@@ -105,7 +105,7 @@ void gather_block(const int32_t* qc, int64_t nq, int64_t dv, int64_t buckets, in
       ptrs[(i - i0) * hn + t] = s < 0 ? nullptr : table + int64_t(s) * dv;
     }
   }
-  simd::gather_rows(ptrs, i1 - i0, hn, dv, out + i0 * dv, dv, scale);
+  simd::gather_rows(ptrs, i1 - i0, hn, dv, out + i0 * ldo, ldo, scale);
 }
 
 // Keys of one hash grouped by bucket (a counting sort that keeps j increasing in a bucket).
@@ -174,10 +174,10 @@ constexpr int64_t kHashBlock = 24;
 
 int64_t score_stride(int64_t cols) { return (cols + 15) / 16 * 16 + 16; }  // pack_codes reads 16 past a hash
 
-void hash_block(const float* x, const float* w, int64_t d, int64_t m, int bits, int64_t i0, int64_t i1,
+void hash_block(const float* x, int64_t ldx, const float* w, int64_t d, int64_t m, int bits, int64_t i0, int64_t i1,
                 int32_t* codes, int64_t stride, float* scores) {
   const int64_t cols = m * bits, ld = score_stride(cols);
-  simd::gemm(x + i0 * d, d, w, cols, i1 - i0, d, cols, scores, ld, false);
+  simd::gemm(x + i0 * ldx, ldx, w, cols, i1 - i0, d, cols, scores, ld, false);
   simd::pack_codes(scores, ld, i1 - i0, m, bits, codes + i0, stride);
 }
 
@@ -197,8 +197,8 @@ struct ValueTables {
 
 // One (batch*head): codes qc (m, nq), kc (m, nk), values v (nk, dv), out (nq, dv) zero on entry,
 // by a team of `team` threads (1: the calling thread alone, no barriers).
-void cumulate_one(const CumulateParams& p, const int32_t* qc, const int32_t* kc, const float* v, float* out,
-                  ValueTables& ws, int team) {
+void cumulate_one(const CumulateParams& p, const int32_t* qc, const int32_t* kc, const float* v, int64_t ldv,
+                  float* out, int64_t ldo, ValueTables& ws, int team) {
   const int64_t blocks = (p.nq + kRowBlock - 1) / kRowBlock;
 #pragma omp parallel num_threads(team) if (team > 1)
   {
@@ -208,12 +208,12 @@ void cumulate_one(const CumulateParams& p, const int32_t* qc, const int32_t* kc,
       const float scale = h0 + hn == p.m ? 1.f / float(p.m) : 1.f;
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < hn; ++t)
-        build_value_table(kc + (h0 + t) * p.nk, v, p.nk, p.dv, ws.slot_of.data() + t * p.buckets,
+        build_value_table(kc + (h0 + t) * p.nk, v, ldv, p.nk, p.dv, ws.slot_of.data() + t * p.buckets,
                           ws.tables.data() + t * ws.slots * p.dv);
 #pragma omp for schedule(static)
       for (int64_t blk = 0; blk < blocks; ++blk)
         gather_block(qc, p.nq, p.dv, p.buckets, h0, hn, ws.slot_of.data(), ws.tables.data(), ws.slots, out,
-                     blk * kRowBlock, std::min(p.nq, (blk + 1) * kRowBlock), scale, ptrs.data());
+                     blk * kRowBlock, std::min(p.nq, (blk + 1) * kRowBlock), ldo, scale, ptrs.data());
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < hn; ++t) clear_slots(kc + (h0 + t) * p.nk, p.nk, ws.slot_of.data() + t * p.buckets);
     }
@@ -221,8 +221,8 @@ void cumulate_one(const CumulateParams& p, const int32_t* qc, const int32_t* kc,
 }
 
 void cumulate_head(const CumulateParams& p, int64_t b, ValueTables& ws, int team) {
-  cumulate_one(p, p.q_codes + b * p.m * p.nq, p.k_codes + b * p.m * p.nk, p.v + b * p.nk * p.dv,
-               p.out + b * p.nq * p.dv, ws, team);
+  cumulate_one(p, p.q_codes + b * p.m * p.nq, p.k_codes + b * p.m * p.nk, p.v + b * p.nk * p.dv, p.dv,
+               p.out + b * p.nq * p.dv, p.dv, ws, team);
 }
 
 // Scratch of one team for the weighted cumulation: bucket lists and the Dw x Dv tables.
@@ -331,8 +331,9 @@ void lsh_attention(const AttentionParams& a, int nthreads) {
   const int64_t ops = p.bh * a.n * (2 * a.d * cols + 2 * a.m * a.dv);
   over_heads<FusedScratch>(p, threads_for(ops, nthreads), [&](const CumulateParams& p, int64_t b, FusedScratch& ws,
                                                              int team) {
-    const float* w = a.proj + (b % a.heads) * a.d * cols;
-    const uint8_t* keep = a.keep ? a.keep + (b / a.heads) * a.n : nullptr;
+    const int64_t batch = b / a.heads, head = b % a.heads;
+    const float* w = a.proj + head * a.d * cols;
+    const uint8_t* keep = a.keep ? a.keep + batch * a.n : nullptr;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
       std::vector<float> scores(kHashBlock * score_stride(cols));
@@ -341,14 +342,18 @@ void lsh_attention(const AttentionParams& a, int nthreads) {
         const bool key = item >= blocks;
         const int64_t i0 = (item % blocks) * kHashBlock, i1 = std::min(a.n, i0 + kHashBlock);
         int32_t* codes = key ? ws.k_codes.data() : ws.q_codes.data();
-        hash_block((key ? a.k : a.q) + b * a.n * a.d, w, a.d, a.m, a.hash_bits, i0, i1, codes, a.n, scores.data());
+        const float* x = key ? a.k + batch * a.k_stride[0] + head * a.k_stride[1]
+                             : a.q + batch * a.q_stride[0] + head * a.q_stride[1];
+        hash_block(x, key ? a.k_stride[2] : a.q_stride[2], w, a.d, a.m, a.hash_bits, i0, i1, codes, a.n,
+                   scores.data());
         if (keep != nullptr)
           for (int64_t h = 0; h < a.m; ++h)
             for (int64_t i = i0; i < i1; ++i)
               if (!keep[i]) codes[h * a.n + i] = -1;
       }
     }
-    cumulate_one(p, ws.q_codes.data(), ws.k_codes.data(), a.v + b * a.n * a.dv, a.out + b * a.n * a.dv, ws.tables,
+    cumulate_one(p, ws.q_codes.data(), ws.k_codes.data(), a.v + batch * a.v_stride[0] + head * a.v_stride[1],
+                 a.v_stride[2], a.out + batch * a.out_stride[0] + head * a.out_stride[1], a.out_stride[2], ws.tables,
                  team);
   });
 }
@@ -361,7 +366,7 @@ void hash_codes(const HashParams& p, int nthreads) {
 #pragma omp for schedule(dynamic, 32)
     for (int64_t item = 0; item < p.batch * p.heads * blocks; ++item) {
       const int64_t bh = item / blocks, head = bh % p.heads, i0 = (item % blocks) * kHashBlock;
-      hash_block(p.x + bh * p.n * p.d, p.proj + head * p.d * cols, p.d, p.m, p.hash_bits, i0,
+      hash_block(p.x + bh * p.n * p.d, p.d, p.proj + head * p.d * cols, p.d, p.m, p.hash_bits, i0,
                  std::min(p.n, i0 + kHashBlock), p.codes + bh * p.m * p.n, p.n, scores.data());
     }
   }

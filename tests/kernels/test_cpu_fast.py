@@ -110,8 +110,10 @@ def test_cpp_exact_forward_matches_the_float64_closed_form(oracles, batch, lengt
     mask = oracles.lengths_mask([length, max(1, length - 9)][:batch], length)
     expected = oracles.naive_yoso_e(q, k, v, mask, hash_bits)
     for backend in ("cpp", "torch"):
-        got = yoso_attention(q, k, v, mask, exact=True, hash_bits=hash_bits, backend=backend)
-        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5, msg=backend)
+        for autograd in (False, True):  # the fused inference op, and the autograd Function's forward
+            leaves = [t.clone().requires_grad_(autograd) for t in (q, k, v)]
+            got = yoso_attention(*leaves, mask, exact=True, hash_bits=hash_bits, backend=backend).detach()
+            torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5, msg=f"{backend} {autograd}")
 
 
 def grads(q, k, v, mask, grad_out, **kwargs):
@@ -215,3 +217,21 @@ def test_portable_bodies_agree_with_the_avx2_ones(ext, tmp_path):
     torch.testing.assert_close(slow["exact"], fast["exact"], rtol=1e-4, atol=1e-5)
     for got, expected in zip(slow["grads"], fast["grads"]):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_ops_read_head_split_views_and_write_merged_heads(ext, oracles):
+    """(B, H, N, D) views of (B, N, H, D) memory go in without copies; the output is such a view,
+    so merging heads is free; values equal those of contiguous inputs (and YOSO-E its oracle)."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 137, 3, 48, generator=gen).transpose(1, 2) for _ in range(3))
+    keep = oracles.lengths_mask([137, 90], 137)
+    proj = _projection(3, 3, 8, 6, 48, True, torch.device("cpu"))
+    dense = [t.contiguous() for t in (q, k, v)]
+    for run in (lambda *x: ext.lsh_attention(*x, proj, keep, 8, 6), lambda *x: ext.exact_attention(*x, keep, 8)):
+        got = run(q, k, v)
+        assert got.shape == (2, 3, 137, 48) and got.transpose(1, 2).is_contiguous()
+        assert torch.equal(got, run(*dense))
+    expected = oracles.naive_yoso_e(q, k, v, keep, 8)
+    torch.testing.assert_close(ext.exact_attention(q, k, v, keep, 8).double(), expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError, match="q must have unit stride along D"):
+        ext.exact_attention(q.transpose(2, 3), k.transpose(2, 3), v, keep, 8)
