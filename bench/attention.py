@@ -59,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dims", type=int, nargs="+", help=f"head dimensions D (default {full['dims']})")
     p.add_argument("--hashes", type=int, nargs="+", help=f"m for YOSO-m (default {full['hashes']})")
     p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own)")
     p.add_argument("--hash-bits", type=int, default=8)
     p.add_argument("--repeats", type=int, help=f"timed runs per case, median reported (default {full['repeats']})")
     p.add_argument("--exact-max", type=int, default=8192, help="largest N for O(N²) YOSO-E")
@@ -374,6 +375,8 @@ def main(argv=None) -> None:
     if args.memory_case:
         memory_case(args.memory_case)
         return
+    if args.threads:
+        torch.set_num_threads(args.threads)
     command = "PYTHONSAFEPATH=1 .venv/bin/python bench/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     info = backend_info()
     print(f"machine: {machine()}\nbackend: {info['backend']} ({info['reason']})\ncommand: {command.strip()}")

@@ -50,8 +50,8 @@ def models(path: Path):
     return yoso, softmax
 
 
-def measure(yoso, softmax, batch: int, n: int, repeats: int) -> dict[str, float]:
-    """mode -> median seconds of one forward of (batch, n) tokens."""
+def measure(yoso, softmax, batch: int, n: int, repeats: int, clock=time.perf_counter) -> dict[str, float]:
+    """mode -> median seconds of one forward of (batch, n) tokens, by ``clock``."""
     ids = torch.randint(1000, 20000, (batch, n), generator=torch.Generator().manual_seed(n))
     mask = torch.ones_like(ids)
     runs = {mode: (softmax if hashes is None else yoso, hashes) for mode, hashes in MODES.items()}
@@ -61,9 +61,9 @@ def measure(yoso, softmax, batch: int, n: int, repeats: int) -> dict[str, float]
             model.last_hidden(ids, mask, hashes=hashes)
         for _ in range(repeats):
             for mode, (model, hashes) in runs.items():
-                start = time.perf_counter()
+                start = clock()
                 model.last_hidden(ids, mask, hashes=hashes)
-                times[mode].append(time.perf_counter() - start)
+                times[mode].append(clock() - start)
     return {mode: median(t) for mode, t in times.items()}
 
 
@@ -83,7 +83,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict]) -> None:
+def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,8 +101,8 @@ def plot(rows: list[dict]) -> None:
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(PLOT, dpi=110)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -111,20 +111,27 @@ def main() -> None:
                         help="batch x N per point (default 8x128 1x512 8x512 1x4096)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved forwards per mode; the median counts")
     parser.add_argument("--model", type=Path, default=BUNDLED)
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time (with --threads 1: the work, whatever else loads the machine)")
+    parser.add_argument("--plot", type=Path, default=PLOT, help=f"where the plot goes (default {PLOT})")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from yoso_serve.kernels import backend_info
 
     yoso, softmax = models(args.model)
     rows = []
     for shape in args.shapes:
         batch, n = (int(x) for x in shape.split("x"))
-        rows.append({"batch": batch, "n": n, "seconds": measure(yoso, softmax, batch, n, args.repeats)})
+        clock = time.process_time if args.clock == "cpu" else time.perf_counter
+        rows.append({"batch": batch, "n": n, "seconds": measure(yoso, softmax, batch, n, args.repeats, clock)})
         print(rows[-1], file=sys.stderr, flush=True)
     md = table(rows)
     command = "PYTHONSAFEPATH=1 .venv/bin/python bench/model.py " + " ".join(sys.argv[1:])
     print(f"machine: {machine()}\nbackend: {backend_info()['backend']}\ncommand: {command}\n\n{md}")
-    plot(rows)
+    plot(rows, args.plot)
     if args.write_docs:
         write_section(SECTION,
             f"One forward of the bundled model ({args.model.name}: 6 layers, 384 hidden, 12 heads of 32, τ = 8, "
