@@ -3,10 +3,12 @@
 Part 1, time and peak memory of one forward versus N (B=1, H=12, τ=8, fp32, inference mode):
 torch ``scaled_dot_product_attention``, YOSO-E (exact expectation, O(N²), skipped past
 ``--exact-max``) and YOSO-m (``--hashes``), through the public ``yoso_attention`` with the
-backend it picks (with the C++ extension: ``fast_hash_codes`` and ``lsh_cumulate``). Per N
-the methods are interleaved inside every repeat, after one warm-up per method; the median of
-``--repeats`` is reported. A breakdown of YOSO-m (m=32) shows where the time goes:
-normalisation, hashing of q and k, and the cumulation, each through the kernels the op uses.
+backend it picks (with the C++ extension: the fused ``lsh_attention`` and ``exact_attention``),
+and the floor "GEMM": the same shapes' hash projection alone (q and k times the (D, 32·τ)
+projection, ``torch.matmul``). Per N the methods are interleaved inside every repeat, after one
+warm-up per method; the median of ``--repeats`` is reported, with the crossover N where YOSO-E
+costs as much as YOSO-32. A breakdown of YOSO-32 shows where the time goes: hashing q and k
+and the cumulation as separate kernels, against the fused op and the projection GEMM.
 
 Peak memory is the growth of the resident set during one forward (the kernel's VmHWM
 high-water mark, reset after a same-size warm-up, minus the RSS just before the call), in a
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from yoso_serve.kernels import backend_info, yoso_attention
+from yoso_serve.kernels.hashing import _projection
 from yoso_serve.kernels.yoso import _kernels
 from yoso_serve.kernels.yoso import lsh_cumulate as torch_lsh_cumulate
 
@@ -47,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    full = dict(sizes=[512, 1024, 2048, 4096, 8192, 16384], dims=[32, 64], hashes=[16, 32, 64], repeats=3,
+    full = dict(sizes=[128, 256, 512, 1024, 2048, 4096, 8192, 16384], dims=[32, 64], hashes=[16, 32, 64], repeats=3,
                 error_sizes=[64, 128, 256, 512, 1024, 2048, 4096], error_hashes=[8, 16, 32, 64, 128])
     quick = dict(
         sizes=[256, 512], dims=[32], hashes=[16, 32], repeats=1, error_sizes=[64, 128, 256], error_hashes=[8, 32]
@@ -56,10 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dims", type=int, nargs="+", help=f"head dimensions D (default {full['dims']})")
     p.add_argument("--hashes", type=int, nargs="+", help=f"m for YOSO-m (default {full['hashes']})")
     p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own)")
     p.add_argument("--hash-bits", type=int, default=8)
     p.add_argument("--repeats", type=int, help=f"timed runs per case, median reported (default {full['repeats']})")
     p.add_argument("--exact-max", type=int, default=8192, help="largest N for O(N²) YOSO-E")
     p.add_argument("--no-memory", action="store_true", help="skip the per-case memory subprocesses")
+    p.add_argument("--no-error", action="store_true", help="skip part 2 (the approximation error study)")
     p.add_argument("--error-sizes", type=int, nargs="+", help=f"N of the error study (default {full['error_sizes']})")
     p.add_argument("--error-hashes", type=int, nargs="+", help=f"m of the error study (default {full['error_hashes']})")
     p.add_argument("--error-dim", type=int, default=64, help="D of the random q, k, v")
@@ -78,9 +83,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def forward_fn(method: str, hash_bits: int):
-    """method ∈ {"SDPA", "YOSO-E", "YOSO-<m>"} → f(q, k, v) running one forward."""
+    """method ∈ {"SDPA", "GEMM", "YOSO-E", "YOSO-<m>"} → f(q, k, v) running one forward."""
     if method == "SDPA":
         return F.scaled_dot_product_attention
+    if method == "GEMM":  # YOSO-32's hash projections of q and k, nothing else: the floor
+        def projections(q, k, v):
+            proj = _projection(0, q.shape[1], 32, hash_bits, q.shape[-1], True, q.device)
+            return torch.matmul(q, proj), torch.matmul(k, proj)
+
+        return projections
     if method == "YOSO-E":
         return lambda q, k, v: yoso_attention(q, k, v, exact=True, hash_bits=hash_bits)
     m = int(method.split("-")[1])
@@ -133,7 +144,7 @@ def measure_memory(method: str, n: int, d: int, args) -> float:
 
 
 def run_speed(args) -> dict:
-    methods = ["SDPA", "YOSO-E"] + [f"YOSO-{m}" for m in args.hashes]
+    methods = ["SDPA", "GEMM", "YOSO-E"] + [f"YOSO-{m}" for m in args.hashes]
     results = {}  # (d, n, method) -> {"ms": .., "mb": ..}
     steps = len(args.dims) * len(args.sizes) * len(methods) * (args.repeats + (0 if args.no_memory else 1))
     bar = tqdm(total=steps, desc="speed", unit="run")
@@ -161,8 +172,9 @@ def run_speed(args) -> dict:
 def profile_yoso(args, m: int = 32) -> dict:
     """Median ms of each stage of YOSO-m's forward: (d, n) -> {stage: ms}.
 
-    Each stage calls the kernels ``yoso_attention`` picks for CPU tensors (``_kernels``), so the
-    stages add up to the op minus its argument checks and reshapes.
+    The separate kernels (hash codes of q and k, then the cumulation) are what a training step
+    runs; the fused op (one pass, codes never leave the kernel) is what inference runs; the
+    projection GEMM alone (torch) is the floor the issue measures against.
     """
     kernels = _kernels("auto", torch.device("cpu"))
     where = "C++" if kernels.cumulate is not torch_lsh_cumulate else "torch"
@@ -171,14 +183,13 @@ def profile_yoso(args, m: int = 32) -> dict:
         for d in args.dims:
             for n in tqdm(args.sizes, desc=f"profile D={d}", unit="N"):
                 q, k, v = inputs(n, d, args.heads)
-                qh, kh = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
                 bits = args.hash_bits
-                codes = kernels.codes(qh, m, bits, 0, True).view(args.heads, m, n)
+                codes = kernels.codes(q, m, bits, 0, True).view(args.heads, m, n)
                 work = {
-                    "normalise q, k": lambda: (F.normalize(q, dim=-1), F.normalize(k, dim=-1)),
-                    f"hash q, k ({where})": lambda: [kernels.codes(x, m, bits, 0, True) for x in (qh, kh)],
+                    "projection GEMM (torch)": lambda: forward_fn("GEMM", bits)(q, k, v),
+                    f"hash q, k ({where})": lambda: [kernels.codes(x, m, bits, 0, True) for x in (q, k)],
                     f"cumulate ({where})": lambda: kernels.cumulate(codes, codes, v.view(args.heads, n, d), bits),
-                    "yoso_attention total": lambda: forward_fn(f"YOSO-{m}", bits)(q, k, v),
+                    "yoso_attention (fused)": lambda: forward_fn(f"YOSO-{m}", bits)(q, k, v),
                 }
                 stage_ms = {}
                 for name, fn in work.items():
@@ -186,6 +197,19 @@ def profile_yoso(args, m: int = 32) -> dict:
                     stage_ms[name] = 1e3 * median(timed(fn) for _ in range(args.repeats))
                 stages[(d, n)] = stage_ms
     return stages
+
+
+def crossover(speed: dict, d: int, args, m: int = 32) -> str:
+    """N where YOSO-E costs as much as YOSO-m (log-log interpolation between measured sizes)."""
+    pts = [(n, speed["results"][(d, n, "YOSO-E")]["ms"], speed["results"][(d, n, f"YOSO-{m}")]["ms"])
+           for n in args.sizes if (d, n, "YOSO-E") in speed["results"] and (d, n, f"YOSO-{m}") in speed["results"]]
+    for (n0, e0, l0), (n1, e1, l1) in zip(pts, pts[1:]):
+        r0, r1 = math.log(e0 / l0), math.log(e1 / l1)
+        if r0 <= 0 < r1:
+            return f"{math.exp(math.log(n0) + (math.log(n1) - math.log(n0)) * -r0 / (r1 - r0)):.0f}"
+    if pts and all(e > lsh for _, e, lsh in pts):
+        return f"below {pts[0][0]}"
+    return f"above {pts[-1][0]}" if pts else "not measured"
 
 
 def mean_angle_deg(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -271,6 +295,14 @@ def speed_tables(speed: dict, args) -> str:
                 mb = "—" if r["mb"] is None else f"{r['mb']:.1f}"
                 per_k = r["ms"] / n * 1e3
                 out.append(f"| {n} | {method} | {r['ms']:.1f} | {per_k:.2f} | {sdpa / r['ms']:.2f}× | {mb} |")
+        if "YOSO-32" in speed["methods"]:
+            out += [f"\n**D = {d}: the targets** (same-run medians)\n",
+                    "| N | SDPA / YOSO-32 | YOSO-32 / GEMM | YOSO-E / YOSO-32 |", "|---:|---:|---:|---:|"]
+            for n in args.sizes:
+                r = {m: speed["results"].get((d, n, m), {}).get("ms") for m in ("SDPA", "GEMM", "YOSO-E", "YOSO-32")}
+                exact = f"{r['YOSO-E'] / r['YOSO-32']:.2f}" if r["YOSO-E"] else "—"
+                out.append(f"| {n} | {r['SDPA'] / r['YOSO-32']:.2f}× | {r['YOSO-32'] / r['GEMM']:.2f}× | {exact} |")
+            out.append(f"\nCrossover (YOSO-E costs as much as YOSO-32): N ≈ {crossover(speed, d, args)}")
     return "\n".join(out)
 
 
@@ -323,6 +355,8 @@ def plot(speed: dict, errors: dict, args) -> list[Path]:
         fig.savefig(args.out / name, dpi=110)
         plt.close(fig)
         written.append(args.out / name)
+    if not errors:
+        return written
     fig, axes = plt.subplots(1, len(errors), figsize=(6 * len(errors), 4.5), squeeze=False)
     for ax, (source, table) in zip(axes[0], errors.items()):
         for m in args.error_hashes:
@@ -341,12 +375,14 @@ def main(argv=None) -> None:
     if args.memory_case:
         memory_case(args.memory_case)
         return
+    if args.threads:
+        torch.set_num_threads(args.threads)
     command = "PYTHONSAFEPATH=1 .venv/bin/python bench/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     info = backend_info()
     print(f"machine: {machine()}\nbackend: {info['backend']} ({info['reason']})\ncommand: {command.strip()}")
     speed = run_speed(args)
     stages = profile_yoso(args)
-    errors = run_error(args)
+    errors = {} if args.no_error else run_error(args)
     report = "\n".join([speed_tables(speed, args), profile_tables(stages, args), error_tables(errors, args)])
     print(report)
     written = plot(speed, errors, args)
@@ -355,6 +391,7 @@ def main(argv=None) -> None:
         "backend": info,
         "command": command.strip(),
         "speed": {f"D={d} N={n} {m}": r for (d, n, m), r in speed["results"].items()},
+        "crossover": {f"D={d}": crossover(speed, d, args) for d in args.dims},
         "profile": {f"D={d} N={n}": ms for (d, n), ms in stages.items()},
         "error": {src: {f"m={m} N={n}": deg for (m, n), deg in t.items()} for src, t in errors.items()},
     }

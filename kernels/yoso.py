@@ -4,8 +4,9 @@ Three faces with one signature:
 
 * :func:`yoso_attention` — dispatching op. LSH mode hashes q̂ and k̂ with one seeded set of
   projections and runs the bucket cumulation (C++ extension or the pure-PyTorch
-  :func:`lsh_cumulate`) inside :class:`YosoLSHFn`; exact mode (YOSO-E) runs
-  :class:`YosoExactFn`, chunked over queries.
+  :func:`lsh_cumulate`) inside :class:`YosoLSHFn` (without autograd, the extension's fused
+  ``lsh_attention``); exact mode (YOSO-E) runs the extension's blockwise kernels
+  (:class:`~.exact.YosoExactCppFn`) or :class:`~.exact.YosoExactFn`, chunked over queries.
 * :class:`YosoLSHFn` / :class:`YosoExactFn` — autograd. Both use the paper's backward:
   grad V = B(K, Q)·dO (eq. 11) and the lower bound of eq. 13–14 for grad q̂ and grad k̂,
   ``grad q̂_i = τ/2 · Σ_j B_ij (dO_i·V_j) k̂_j``. In LSH mode B is the sampled collision
@@ -26,20 +27,17 @@ output is the un-normalised cumulation ``B·V`` — the model applies N-YOSO's �
 
 from __future__ import annotations
 
-import math
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from .exact import EXACT_BACKWARDS, YosoExactFn, collision_probability, cpp_exact_fn
 from .hashing import MAX_HASH_BITS, _projection, check_input, hash_codes, hash_codes_ref
 
 BACKENDS = ("auto", "torch", "cpp", "cuda")
 # Scratch tensors (hash tables, probability chunks) are cut to about this many fp32 values.
 _CHUNK_BUDGET = 1 << 24
-EXACT_BACKWARDS = ("bound", "true")
-# sinθ floor in the true exact-mode gradient: dE[B]/dcosθ grows like 1/sinθ as θ → 0
-_MIN_SINE = 1e-3
 
 
 def _hash_rows(q_codes, k_codes, rows, offsets):
@@ -156,14 +154,19 @@ def lsh_weighted_cumulate(
 
 
 class Kernels(NamedTuple):
-    """One backend's implementations: ``codes(x̂, num_hashes, hash_bits, seed, fast_hash)``
-    → (B, H, m, N) int32 equal to :func:`hash_codes`, plus the two cumulations.
-    ``half_values``: the cumulations read fp16/bf16 v as they are (summing in fp32)."""
+    """One backend's implementations: ``codes(x, num_hashes, hash_bits, seed, fast_hash)``
+    → (B, H, m, N) int32 equal to :func:`hash_codes`, plus the two cumulations; where the
+    backend has them, ``fused(q, k, v, key_mask, num_hashes, hash_bits, seed, fast_hash)`` (LSH
+    forward without autograd, hashing and cumulation in one pass; num_hashes = 0: YOSO-E) and ``exact`` (a
+    :class:`~.exact.YosoExactFn`-compatible ``apply``). ``half_values``: the cumulations read
+    fp16/bf16 v as they are (summing in fp32)."""
 
     codes: Callable
     cumulate: Callable
     weighted: Callable
     half_values: bool = False
+    fused: Callable | None = None
+    exact: Callable | None = None
 
 
 def _torch_codes(x, num_hashes, hash_bits, seed, fast_hash):
@@ -178,6 +181,20 @@ def _cpp_codes(ext):
         return ext.fast_hash_codes(x.float().contiguous(), proj, num_hashes, hash_bits)
 
     return codes
+
+
+def _cpp_fused(ext):
+    # Strided (B, H, N, D) views go in as they are, and the output comes back as a view of
+    # (B, N, H, D) memory: a model's head split and merge cost no copies.
+    def fused(q, k, v, key_mask, num_hashes, hash_bits, seed, fast_hash):
+        keep = None if key_mask is None else key_mask.to(torch.bool).contiguous()
+        q, k, v = (t.float() if t.stride(-1) == 1 else t.float().contiguous() for t in (q, k, v))
+        if num_hashes == 0:
+            return ext.exact_attention(q, k, v, keep, hash_bits)
+        proj = _projection(seed, q.shape[1], num_hashes, hash_bits, q.shape[-1], bool(fast_hash), q.device)
+        return ext.lsh_attention(q, k, v, proj, keep, num_hashes, hash_bits)
+
+    return fused
 
 
 def _kernels(backend: str, device: torch.device) -> Kernels:
@@ -205,7 +222,7 @@ def _kernels(backend: str, device: torch.device) -> Kernels:
         return torch_kernels
     if device.type != "cpu":
         raise ValueError(f"backend 'cpp' needs CPU tensors, got device {device}")
-    return Kernels(_cpp_codes(ext), ext.lsh_cumulate, ext.lsh_weighted_cumulate)
+    return Kernels(_cpp_codes(ext), ext.lsh_cumulate, ext.lsh_weighted_cumulate, _cpp_fused(ext), cpp_exact_fn(ext))
 
 
 class YosoLSHFn(torch.autograd.Function):
@@ -236,57 +253,6 @@ class YosoLSHFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # the same with the roles of queries and keys swapped
             grad_k = weighted(k_codes, q_codes, v, grad_out, q, ctx.hash_bits).mul_(half_tau)
         return grad_q, grad_k, grad_v, None, None, None, None
-
-
-def collision_probability(q: torch.Tensor, k: torch.Tensor, hash_bits: int) -> torch.Tensor:
-    """E[B] (eq. 6): q (..., Nq, D), k (..., Nk, D) fp32 unit rows → (..., Nq, Nk) fp32."""
-    cosine = torch.matmul(q, k.transpose(-1, -2)).clamp_(-1.0, 1.0)
-    return (1.0 - torch.arccos(cosine) / math.pi) ** hash_bits
-
-
-class YosoExactFn(torch.autograd.Function):
-    """YOSO-E: E[B]·V computed exactly in query chunks, lower-bound backward (eq. 13) exact.
-
-    forward(q, k, v, keep, hash_bits): q, k: (BH, N, D) fp32 unit rows, v: (BH, N, Dv) fp32,
-    keep: (BH, N) fp32 0/1 (0 = padded key and query) → (BH, N, Dv) fp32.
-    """
-
-    @staticmethod
-    def _chunks(q: torch.Tensor, k: torch.Tensor):
-        step = max(1, _CHUNK_BUDGET // (q.shape[0] * k.shape[1]))
-        return [slice(s, min(s + step, q.shape[1])) for s in range(0, q.shape[1], step)]
-
-    @staticmethod
-    def forward(ctx, q, k, v, keep, hash_bits, true_grad=False):
-        ctx.save_for_backward(q, k, v, keep)
-        ctx.hash_bits, ctx.true_grad = hash_bits, true_grad
-        out = torch.empty(v.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
-        for rows in YosoExactFn._chunks(q, k):
-            weights = collision_probability(q[:, rows], k, hash_bits) * keep[:, None, :]
-            out[:, rows] = torch.matmul(weights, v)
-        return out.mul_(keep[..., None])
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, keep = ctx.saved_tensors
-        grad_out = grad_out.float() * keep[..., None]  # padded queries' outputs are constant zeros
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        tau = ctx.hash_bits
-        for rows in YosoExactFn._chunks(q, k):
-            cosine = torch.matmul(q[:, rows], k.transpose(-1, -2)).clamp_(-1.0, 1.0)  # (BH, c, N)
-            base = 1.0 - torch.arccos(cosine) / math.pi  # 1 − θ/π
-            weights = base**tau * keep[:, None, :]
-            g = grad_out[:, rows]  # (BH, c, Dv)
-            grad_v += torch.matmul(weights.transpose(1, 2), g)
-            if ctx.true_grad:  # d/dcosθ (1 − θ/π)^τ = τ(1 − θ/π)^(τ−1) / (π sinθ)
-                sine = (1.0 - cosine * cosine).clamp_(min=_MIN_SINE**2).sqrt_()
-                slope = base ** (tau - 1) * keep[:, None, :] * (tau / math.pi) / sine
-            else:  # eq. 13–14: τ/2 · E[B]
-                slope = weights * (tau / 2)
-            scaled = torch.matmul(g, v.transpose(1, 2)).mul_(slope)  # (BH, c, N)
-            grad_q[:, rows] = torch.matmul(scaled, k)
-            grad_k += torch.matmul(scaled.transpose(1, 2), q[:, rows])
-        return grad_q, grad_k, grad_v, None, None, None
 
 
 def _check_args(q, k, v, key_mask, num_hashes, hash_bits, seed, backend) -> None:
@@ -355,7 +321,7 @@ def yoso_attention(
     q's dtype, computed in fp32. exact=True or num_hashes=0 → YOSO-E (O(N²), chunked);
     otherwise the mean over num_hashes LSH samples of hash_bits bits (O(N·m)), with
     projections seeded from (seed, head). backend: "auto" (C++ if built, else PyTorch),
-    "torch", "cpp"; exact mode always runs in PyTorch. exact_backward: "bound" (the paper's
+    "torch", "cpp" (both modes; without autograd LSH mode runs one fused kernel). exact_backward: "bound" (the paper's
     eq. 13–14, as transformers) or "true" (the derivative of exact mode's forward; LSH mode
     always uses the bound). Bad input → ValueError.
     """
@@ -364,31 +330,29 @@ def yoso_attention(
         raise ValueError(f"exact_backward must be one of {EXACT_BACKWARDS}, got {exact_backward!r}")
     batch, heads, length, dim = q.shape
     kernels = _kernels(backend, q.device)  # an unavailable backend fails in every mode, before any work
-    lsh = not exact and num_hashes > 0
+    lsh = not (exact or num_hashes == 0)
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if kernels.fused is not None and not grads:
+        # A code is the sign pattern of x·w, the same for q and q̂: LSH inference needs no normalising.
+        hashes = num_hashes if lsh else 0
+        return kernels.fused(q, k, v, key_mask, hashes, hash_bits, seed, fast_hash).to(q.dtype)
     q_hat, k_hat, values, keep = _prepare(q, k, v, key_mask, half_values=lsh and kernels.half_values)
     flat = (batch * heads, length, dim)
     # the C++ kernels take contiguous (BH, N, D) rows; a transposed (B, N, H, D) input is not
     q_flat, k_flat, v_flat = (t.reshape(flat).contiguous() for t in (q_hat, k_hat, values))
-    if exact or num_hashes == 0:
-        out = YosoExactFn.apply(q_flat, k_flat, v_flat, keep, hash_bits, exact_backward == "true")
+    if not lsh:
+        exact_fn = kernels.exact or YosoExactFn.apply
+        out = exact_fn(q_flat, k_flat, v_flat, keep, hash_bits, exact_backward == "true")
     else:
         masked = (keep == 0)[:, None, :]  # (BH, 1, N)
         q_codes, k_codes = (
-            # hash the contiguous rows made above: q̂, k̂ of a (B, N, H, D) view would be copied again
-            kernels.codes(x.detach().view(batch, heads, length, dim), num_hashes, hash_bits, seed, fast_hash)
+            # the raw q, k as the fused path hashes them, so that training and inference agree bit for bit
+            kernels.codes(x.detach().float(), num_hashes, hash_bits, seed, fast_hash)
             .view(batch * heads, num_hashes, length)  # (B, H, m, N) codes
             .masked_fill(masked, -1)
-            for x in (q_flat, k_flat)
+            for x in (q, k)
         )
-        out = YosoLSHFn.apply(
-            q_flat,
-            k_flat,
-            v_flat,
-            q_codes,
-            k_codes,
-            hash_bits,
-            kernels,
-        )
+        out = YosoLSHFn.apply(q_flat, k_flat, v_flat, q_codes, k_codes, hash_bits, kernels)
     return out.view(batch, heads, length, dim).to(q.dtype)
 
 

@@ -4,6 +4,8 @@
 //   lsh_cumulate(q_codes, k_codes, v, hash_bits)                     -> (BH, Nq, Dv) fp32
 //   lsh_weighted_cumulate(q_codes, k_codes, q_w, k_w, v, hash_bits)  -> (BH, Nq, Dv) fp32
 //   fast_hash_codes(x, proj, num_hashes, hash_bits)                  -> (B, H, m, N) int32
+//   + lsh_attention, exact_attention, exact_forward, exact_backward, collision_probability,
+//     simd_level: registered by yoso_cpu_fused.cpp
 //
 // A negative code masks: such a key adds nothing, such a query reads zeros for that hash.
 // Every check names the limit it enforces (TORCH_CHECK -> RuntimeError in Python).
@@ -21,6 +23,9 @@
 
 #include "yoso_cuda.h"
 #endif
+
+// The fused inference ops and the exact YOSO-E kernels' bindings (yoso_cpu_fused.cpp).
+void register_fused_ops(pybind11::module_& m);
 
 namespace {
 
@@ -332,5 +337,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(x (BH, N, D) fp32, signs (H, m, 3, P) fp32, hash_bits) -> (BH, m, N) int32",
         py::arg("x"), py::arg("signs"), py::arg("hash_bits"), py::call_guard<py::gil_scoped_release>());
 #endif
+  register_fused_ops(m);  // yoso_cpu_fused.cpp
   m.def("openmp_max_threads", &openmp_max_threads, "threads the kernels run on (torch's intra-op count)");
 }

@@ -27,11 +27,55 @@ struct HashParams {
   int hash_bits;
 };
 
+// q, k, v, out are (B, H, N, D|Dv) views with unit stride along D: element (b, h, i, c) of x is at
+// x + b * x_stride[0] + h * x_stride[1] + i * x_stride[2] + c, so (B, N, H, D) memory, as a model's
+// head split leaves it, is read and written in place.
+struct AttentionParams {
+  const float* q;        // (B, H, N, D), any scale: a code is a sign pattern
+  const float* k;        // (B, H, N, D)
+  const float* v;        // (B, H, N, Dv)
+  const float* proj;     // (H, D, m * hash_bits), as HashParams
+  const uint8_t* keep;   // (B, N) 0 = padded token (masked key and query), or null
+  float* out;            // (B, H, N, Dv), zero on entry
+  int64_t batch, heads, n, d, dv, m;
+  int64_t q_stride[3], k_stride[3], v_stride[3], out_stride[3];
+  int hash_bits;
+};
+
+struct ExactParams {
+  const float* q;     // (BH, N, D) unit rows
+  const float* k;     // (BH, N, D) unit rows
+  const float* v;     // (BH, N, Dv)
+  const float* keep;  // (BH, N) 0/1: padded keys weigh nothing, padded queries give zero rows
+  const float* grad;  // (BH, N, Dv) d loss / d out, backward only
+  float* out;         // (BH, N, Dv), forward
+  float* grad_q;      // (BH, N, D), backward, zero on entry
+  float* grad_k;      // (BH, N, D), backward, zero on entry
+  float* grad_v;      // (BH, N, Dv), backward, zero on entry
+  int64_t bh, n, d, dv;
+  int64_t heads;                      // v and out rows of (batch*head) b start at b / heads, b % heads:
+  int64_t v_stride[3], out_stride[3]; // strides as in AttentionParams (forward only)
+  int tau;
+  bool true_grad;     // backward: the forward's derivative instead of the paper's tau/2 E[B] bound
+  float min_sine;     // floor of sin(theta) in the true derivative
+};
+
 // out[i] = (1/m) sum_h sum_j [k_codes[h,j] == q_codes[h,i]] v[j]
 void lsh_cumulate(const CumulateParams& p, int nthreads);
 // out[i] = (1/m) sum_h sum_j [codes equal] (q_w[i] . k_w[j]) v[j]
 void lsh_weighted_cumulate(const CumulateParams& p, int nthreads);
 // codes[b, head, h, i] = sum_t 2^t [x[b, head, i] . proj[head, :, h*hash_bits + t] > 0]
 void hash_codes(const HashParams& p, int nthreads);
+
+// Hash codes of q and k (kept in per-thread scratch, never returned) and the cumulation in one
+// pass: equal, bit for bit, to lsh_cumulate(hash_codes(q), hash_codes(k), v) with masked codes.
+void lsh_attention(const AttentionParams& p, int nthreads);
+// out = ((1 - arccos(q.k)/pi)^tau * keep_k) v * keep_q, in query x key blocks (yoso_cpu_exact.cpp)
+void exact_forward(const ExactParams& p, int nthreads);
+// The same forward from raw (B, H, N, D) views (AttentionParams' q, k, v, keep, out, strides):
+// rows are l2-normalised here (x / max(|x|, 1e-12), as F.normalize), for inference.
+void exact_attention(const AttentionParams& p, int nthreads);
+// grad_v = W^T g, grad_q = (g v^T * slope) k, grad_k = (g v^T * slope)^T q with g = grad * keep_q
+void exact_backward(const ExactParams& p, int nthreads);
 
 }  // namespace yoso

@@ -10,6 +10,7 @@
 // No torch headers here: this file compiles in seconds.
 
 #include "yoso_cpu.h"
+#include "yoso_cpu_simd.h"
 
 #include <omp.h>
 
@@ -69,7 +70,7 @@ inline float dot_row(const float* __restrict a, const float* __restrict b, int64
 
 // Sum V rows per occupied bucket of one hash; slots are numbered by first key to arrive.
 YOSO_SIMD_CLONES
-void build_value_table(const int32_t* codes, const float* v, int64_t nk, int64_t dv, int32_t* slot_of,
+void build_value_table(const int32_t* codes, const float* v, int64_t ldv, int64_t nk, int64_t dv, int32_t* slot_of,
                        float* table) {
   int32_t used = 0;
   for (int64_t j = 0; j < nk; ++j) {
@@ -78,9 +79,9 @@ void build_value_table(const int32_t* codes, const float* v, int64_t nk, int64_t
     int32_t s = slot_of[c];
     if (s < 0) {
       slot_of[c] = s = used++;
-      std::copy(v + j * dv, v + (j + 1) * dv, table + int64_t(s) * dv);
+      std::copy(v + j * ldv, v + j * ldv + dv, table + int64_t(s) * dv);
     } else {
-      add_row(table + int64_t(s) * dv, v + j * dv, dv);
+      add_row(table + int64_t(s) * dv, v + j * ldv, dv);
     }
   }
 }
@@ -90,24 +91,21 @@ void clear_slots(const int32_t* codes, int64_t nk, int32_t* slot_of) {
     if (codes[j] >= 0) slot_of[codes[j]] = -1;
 }
 
-// Rows [i0, i1) of one (batch*head) add the tables of hashes h0 .. h0+hn-1. Hash-major over a
-// small block of rows keeps one table hot in cache; each row still sums its hashes in order.
-YOSO_SIMD_CLONES
-void gather_rows(const CumulateParams& p, const int32_t* qc, int64_t h0, int64_t hn, const int32_t* slot_of,
-                 const float* tables, int64_t slots, float* out, int64_t i0, int64_t i1, float scale) {
-  for (int64_t t = 0; t < hn; ++t) {
-    const int32_t* codes = qc + (h0 + t) * p.nq;
-    const int32_t* slot_of_t = slot_of + t * p.buckets;
-    const float* table = tables + t * slots * p.dv;
+// Rows [i0, i1) of one (batch*head) add the tables of hashes h0 .. h0+hn-1, each row its hashes in
+// order. ptrs (kRowBlock x hn) holds the table row each (row, hash) reads, null when none.
+void gather_block(const int32_t* qc, int64_t nq, int64_t dv, int64_t buckets, int64_t h0, int64_t hn,
+                  const int32_t* slot_of, const float* tables, int64_t slots, float* out, int64_t i0, int64_t i1,
+                  int64_t ldo, float scale, const float** ptrs) {
+  for (int64_t t = 0; t < hn; ++t) {  // hash-major: one slot map and one codes line at a time
+    const int32_t* codes = qc + (h0 + t) * nq;
+    const int32_t* slot_of_t = slot_of + t * buckets;
+    const float* table = tables + t * slots * dv;
     for (int64_t i = i0; i < i1; ++i) {
-      const int32_t c = codes[i];
-      if (c < 0) continue;
-      const int32_t s = slot_of_t[c];
-      if (s >= 0) add_row(out + i * p.dv, table + int64_t(s) * p.dv, p.dv);
+      const int32_t c = codes[i], s = c < 0 ? -1 : slot_of_t[c];
+      ptrs[(i - i0) * hn + t] = s < 0 ? nullptr : table + int64_t(s) * dv;
     }
   }
-  if (scale != 1.f)
-    for (int64_t i = i0; i < i1; ++i) scale_row(out + i * p.dv, scale, p.dv);
+  simd::gather_rows(ptrs, i1 - i0, hn, dv, out + i0 * ldo, ldo, scale);
 }
 
 // Keys of one hash grouped by bucket (a counting sort that keeps j increasing in a bucket).
@@ -170,25 +168,17 @@ void gather_weighted_rows(const CumulateParams& p, const BucketLists& lists, con
   }
 }
 
-constexpr int kHashRows = 4;   // rows of x projected together (register block)
-constexpr int kHashCols = 16;  // projection columns per register block
+// Rows [i0, i1) of one head's x (rows of d) hashed with w (d, m*bits): codes[h * stride + i].
+// The scores of a block stay in the caller's L1-sized scratch (kHashBlock x score_stride).
+constexpr int64_t kHashBlock = 24;
 
-// scores (kHashRows, cols) = x (kHashRows, d) @ w (d, cols); cols is a multiple of kHashCols.
-YOSO_SIMD_CLONES
-void project_rows(const float* x, const float* w, int64_t d, int64_t cols, float* scores) {
-  for (int64_t c0 = 0; c0 < cols; c0 += kHashCols) {
-    float acc[kHashRows][kHashCols] = {};
-    for (int64_t k = 0; k < d; ++k) {
-      const float* wk = w + k * cols + c0;
-#pragma GCC unroll 4
-      for (int r = 0; r < kHashRows; ++r) {
-        const float xr = x[r * d + k];
-#pragma omp simd
-        for (int c = 0; c < kHashCols; ++c) acc[r][c] += xr * wk[c];
-      }
-    }
-    for (int r = 0; r < kHashRows; ++r) std::copy(acc[r], acc[r] + kHashCols, scores + r * cols + c0);
-  }
+int64_t score_stride(int64_t cols) { return (cols + 15) / 16 * 16 + 16; }  // pack_codes reads 16 past a hash
+
+void hash_block(const float* x, int64_t ldx, const float* w, int64_t d, int64_t m, int bits, int64_t i0, int64_t i1,
+                int32_t* codes, int64_t stride, float* scores) {
+  const int64_t cols = m * bits, ld = score_stride(cols);
+  simd::gemm(x + i0 * ldx, ldx, w, cols, i1 - i0, d, cols, scores, ld, false);
+  simd::pack_codes(scores, ld, i1 - i0, m, bits, codes + i0, stride);
 }
 
 // Scratch of one team working on one (batch*head): the bucket tables of a group of hashes.
@@ -205,26 +195,34 @@ struct ValueTables {
   }
 };
 
-// One (batch*head) b by a team of `team` threads (1: the calling thread alone, no barriers).
-void cumulate_head(const CumulateParams& p, int64_t b, ValueTables& ws, int team) {
-  const int32_t* qc = p.q_codes + b * p.m * p.nq;
-  const int32_t* kc = p.k_codes + b * p.m * p.nk;
+// One (batch*head): codes qc (m, nq), kc (m, nk), values v (nk, dv), out (nq, dv) zero on entry,
+// by a team of `team` threads (1: the calling thread alone, no barriers).
+void cumulate_one(const CumulateParams& p, const int32_t* qc, const int32_t* kc, const float* v, int64_t ldv,
+                  float* out, int64_t ldo, ValueTables& ws, int team) {
   const int64_t blocks = (p.nq + kRowBlock - 1) / kRowBlock;
 #pragma omp parallel num_threads(team) if (team > 1)
-  for (int64_t h0 = 0; h0 < p.m; h0 += ws.group) {
-    const int64_t hn = std::min(ws.group, p.m - h0);
-    const float scale = h0 + hn == p.m ? 1.f / float(p.m) : 1.f;
+  {
+    std::vector<const float*> ptrs(kRowBlock * ws.group);
+    for (int64_t h0 = 0; h0 < p.m; h0 += ws.group) {
+      const int64_t hn = std::min(ws.group, p.m - h0);
+      const float scale = h0 + hn == p.m ? 1.f / float(p.m) : 1.f;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < hn; ++t)
-      build_value_table(kc + (h0 + t) * p.nk, p.v + b * p.nk * p.dv, p.nk, p.dv, ws.slot_of.data() + t * p.buckets,
-                        ws.tables.data() + t * ws.slots * p.dv);
+      for (int64_t t = 0; t < hn; ++t)
+        build_value_table(kc + (h0 + t) * p.nk, v, ldv, p.nk, p.dv, ws.slot_of.data() + t * p.buckets,
+                          ws.tables.data() + t * ws.slots * p.dv);
 #pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < blocks; ++blk)
-      gather_rows(p, qc, h0, hn, ws.slot_of.data(), ws.tables.data(), ws.slots, p.out + b * p.nq * p.dv,
-                  blk * kRowBlock, std::min(p.nq, (blk + 1) * kRowBlock), scale);
+      for (int64_t blk = 0; blk < blocks; ++blk)
+        gather_block(qc, p.nq, p.dv, p.buckets, h0, hn, ws.slot_of.data(), ws.tables.data(), ws.slots, out,
+                     blk * kRowBlock, std::min(p.nq, (blk + 1) * kRowBlock), ldo, scale, ptrs.data());
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < hn; ++t) clear_slots(kc + (h0 + t) * p.nk, p.nk, ws.slot_of.data() + t * p.buckets);
+      for (int64_t t = 0; t < hn; ++t) clear_slots(kc + (h0 + t) * p.nk, p.nk, ws.slot_of.data() + t * p.buckets);
+    }
   }
+}
+
+void cumulate_head(const CumulateParams& p, int64_t b, ValueTables& ws, int team) {
+  cumulate_one(p, p.q_codes + b * p.m * p.nq, p.k_codes + b * p.m * p.nk, p.v + b * p.nk * p.dv, p.dv,
+               p.out + b * p.nq * p.dv, p.dv, ws, team);
 }
 
 // Scratch of one team for the weighted cumulation: bucket lists and the Dw x Dv tables.
@@ -314,39 +312,62 @@ void lsh_weighted_cumulate(const CumulateParams& p, int nthreads) {
   over_heads<WeightedTables>(p, threads_for(ops, nthreads), weighted_cumulate_head);
 }
 
-void hash_codes(const HashParams& p, int nthreads) {
-  const int64_t cols = p.m * p.hash_bits;
-  const int64_t padded = (cols + kHashCols - 1) / kHashCols * kHashCols;
-  // Projections with zero columns up to a whole register block, so the inner kernel has no tail.
-  std::vector<float> w(p.heads * p.d * padded, 0.f);
-  for (int64_t h = 0; h < p.heads; ++h)
-    for (int64_t k = 0; k < p.d; ++k)
-      std::copy(p.proj + (h * p.d + k) * cols, p.proj + (h * p.d + k + 1) * cols, w.data() + (h * p.d + k) * padded);
-  const int64_t blocks = (p.n + kHashRows - 1) / kHashRows;
+// Scratch of the fused op for one team: one head's codes and bucket tables.
+struct FusedScratch {
+  ValueTables tables;
+  std::vector<int32_t> q_codes, k_codes;  // (m, N) each
 
+  explicit FusedScratch(const CumulateParams& p) : tables(p), q_codes(p.m * p.nq), k_codes(p.m * p.nk) {}
+};
+
+void lsh_attention(const AttentionParams& a, int nthreads) {
+  CumulateParams p{};
+  p.bh = a.batch * a.heads;
+  p.m = a.m;
+  p.nq = p.nk = a.n;
+  p.dv = a.dv;
+  p.buckets = int64_t(1) << a.hash_bits;
+  const int64_t cols = a.m * a.hash_bits, blocks = (a.n + kHashBlock - 1) / kHashBlock;
+  const int64_t ops = p.bh * a.n * (2 * a.d * cols + 2 * a.m * a.dv);
+  over_heads<FusedScratch>(p, threads_for(ops, nthreads), [&](const CumulateParams& p, int64_t b, FusedScratch& ws,
+                                                             int team) {
+    const int64_t batch = b / a.heads, head = b % a.heads;
+    const float* w = a.proj + head * a.d * cols;
+    const uint8_t* keep = a.keep ? a.keep + batch * a.n : nullptr;
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+      std::vector<float> scores(kHashBlock * score_stride(cols));
+#pragma omp for schedule(static)
+      for (int64_t item = 0; item < 2 * blocks; ++item) {
+        const bool key = item >= blocks;
+        const int64_t i0 = (item % blocks) * kHashBlock, i1 = std::min(a.n, i0 + kHashBlock);
+        int32_t* codes = key ? ws.k_codes.data() : ws.q_codes.data();
+        const float* x = key ? a.k + batch * a.k_stride[0] + head * a.k_stride[1]
+                             : a.q + batch * a.q_stride[0] + head * a.q_stride[1];
+        hash_block(x, key ? a.k_stride[2] : a.q_stride[2], w, a.d, a.m, a.hash_bits, i0, i1, codes, a.n,
+                   scores.data());
+        if (keep != nullptr)
+          for (int64_t h = 0; h < a.m; ++h)
+            for (int64_t i = i0; i < i1; ++i)
+              if (!keep[i]) codes[h * a.n + i] = -1;
+      }
+    }
+    cumulate_one(p, ws.q_codes.data(), ws.k_codes.data(), a.v + batch * a.v_stride[0] + head * a.v_stride[1],
+                 a.v_stride[2], a.out + batch * a.out_stride[0] + head * a.out_stride[1], a.out_stride[2], ws.tables,
+                 team);
+  });
+}
+
+void hash_codes(const HashParams& p, int nthreads) {
+  const int64_t cols = p.m * p.hash_bits, blocks = (p.n + kHashBlock - 1) / kHashBlock;
 #pragma omp parallel num_threads(threads_for(p.batch * p.heads * p.n * p.d * cols, nthreads))
   {
-    std::vector<float> xs(kHashRows * p.d), scores(kHashRows * padded);
+    std::vector<float> scores(kHashBlock * score_stride(cols));
 #pragma omp for schedule(dynamic, 32)
     for (int64_t item = 0; item < p.batch * p.heads * blocks; ++item) {
-      const int64_t bh = item / blocks, head = bh % p.heads, i0 = (item % blocks) * kHashRows;
-      const int64_t rows = std::min<int64_t>(kHashRows, p.n - i0);
-      const float* x = p.x + (bh * p.n + i0) * p.d;
-      if (rows < kHashRows) {  // the last block of a sequence: zero rows stand in for the missing ones
-        std::fill(xs.begin(), xs.end(), 0.f);
-        std::copy(x, x + rows * p.d, xs.begin());
-        x = xs.data();
-      }
-      project_rows(x, w.data() + head * p.d * padded, p.d, padded, scores.data());
-      int32_t* codes = p.codes + bh * p.m * p.n + i0;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* s = scores.data() + r * padded;
-        for (int64_t h = 0; h < p.m; ++h) {
-          int32_t code = 0;
-          for (int t = 0; t < p.hash_bits; ++t) code |= int32_t(s[h * p.hash_bits + t] > 0.f) << t;
-          codes[h * p.n + r] = code;
-        }
-      }
+      const int64_t bh = item / blocks, head = bh % p.heads, i0 = (item % blocks) * kHashBlock;
+      hash_block(p.x + bh * p.n * p.d, p.d, p.proj + head * p.d * cols, p.d, p.m, p.hash_bits, i0,
+                 std::min(p.n, i0 + kHashBlock), p.codes + bh * p.m * p.n, p.n, scores.data());
     }
   }
 }

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from yoso_serve.kernels import _build, hash_codes, yoso_attention, yoso_attention_ref
+from yoso_serve.kernels import exact as exact_module
 from yoso_serve.kernels import yoso as yoso_module
 from yoso_serve.kernels.yoso import lsh_cumulate, lsh_weighted_cumulate
 
@@ -85,9 +86,9 @@ def test_exact_mode_equals_the_naive_formula(oracles, batch, length, dim, hash_b
 
 def test_exact_mode_chunking_is_invisible(oracles, monkeypatch):
     q, k, v = oracles.random_qkv(2, 2, 50, 16, seed=12)
-    whole = yoso_attention(q, k, v, exact=True)
-    monkeypatch.setattr(yoso_module, "_CHUNK_BUDGET", 1)  # one query row per chunk
-    torch.testing.assert_close(yoso_attention(q, k, v, exact=True), whole, rtol=1e-6, atol=1e-6)
+    whole = yoso_attention(q, k, v, exact=True, backend="torch")
+    monkeypatch.setattr(exact_module, "_CHUNK_BUDGET", 1)  # one query row per chunk
+    torch.testing.assert_close(yoso_attention(q, k, v, exact=True, backend="torch"), whole, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("fast_hash", FAMILIES)

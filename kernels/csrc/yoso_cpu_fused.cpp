@@ -1,0 +1,203 @@
+// Bindings of the fused CPU ops (registered into the module by yoso_cpu.cpp's PYBIND11_MODULE):
+//
+//   lsh_attention(q, k, v, proj, keep, num_hashes, hash_bits)        -> (B, H, N, Dv) fp32, inference
+//   exact_attention(q, k, v, keep, hash_bits)                        -> (B, H, N, Dv) fp32, inference
+//   exact_forward(q, k, v, keep, hash_bits)                          -> (BH, N, Dv) fp32
+//   exact_backward(q, k, v, keep, grad, hash_bits, true_grad, min_sine) -> [grad q, k, v]
+//   collision_probability(cosines, hash_bits)                        -> (1 - arccos/pi)^tau, fp32
+//   simd_level()                                                     -> "avx2" | "portable"
+//
+// Every check names the limit it enforces (TORCH_CHECK -> RuntimeError in Python).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <utility>
+#include <vector>
+
+#include "yoso_cpu.h"
+#include "yoso_cpu_simd.h"
+
+namespace {
+
+using yoso::kMaxHashBits;
+
+void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", c10::toString(dtype), ", got ",
+              c10::toString(t.scalar_type()));
+  TORCH_CHECK(t.dim() == rank, name, " must have rank ", rank, ", got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// A (B, H, N, D) fp32 CPU view whose last dimension has unit stride (a head split needs no copy).
+void check_view(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be Float, got ", c10::toString(t.scalar_type()));
+  TORCH_CHECK(t.dim() == 4, name, " must have rank 4 (B, H, N, D), got shape ", t.sizes());
+  TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, name, " must have unit stride along D, got strides ", t.strides());
+}
+
+// q, k, v (B, H, N, D|Dv) views and keep (B, N) bool or None -> params with strides and an output
+// allocated as (B, N, H, Dv), returned as its (B, H, N, Dv) view so the heads merge without a copy.
+std::pair<yoso::AttentionParams, torch::Tensor> attention_params(const torch::Tensor& q, const torch::Tensor& k,
+                                                                 const torch::Tensor& v,
+                                                                 const c10::optional<torch::Tensor>& keep) {
+  check_view(q, "q");
+  check_view(k, "k");
+  check_view(v, "v");
+  TORCH_CHECK(k.sizes() == q.sizes(), "k must have q's shape (B, H, N, D) ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(v.sizes().slice(0, 3) == q.sizes().slice(0, 3), "v must be (B, H, N, Dv) with q's B, H, N ",
+              q.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(q.size(2) < (int64_t(1) << 31), "N must be below 2^31, got ", q.size(2));
+  if (keep.has_value()) {
+    check_tensor(*keep, "keep", at::kBool, 2);
+    TORCH_CHECK(keep->size(0) == q.size(0) && keep->size(1) == q.size(2), "keep must be (B, N) = (", q.size(0),
+                ", ", q.size(2), "), got ", keep->sizes());
+  }
+  torch::Tensor out = torch::zeros({v.size(0), v.size(2), v.size(1), v.size(3)}, v.options()).transpose(1, 2);
+  yoso::AttentionParams p{};
+  p.q = q.data_ptr<float>();
+  p.k = k.data_ptr<float>();
+  p.v = v.data_ptr<float>();
+  p.keep = keep.has_value() ? reinterpret_cast<const uint8_t*>(keep->data_ptr<bool>()) : nullptr;
+  p.out = out.data_ptr<float>();
+  p.batch = q.size(0);
+  p.heads = q.size(1);
+  p.n = q.size(2);
+  p.d = q.size(3);
+  p.dv = v.size(3);
+  for (int i = 0; i < 3; ++i) {
+    p.q_stride[i] = q.stride(i);
+    p.k_stride[i] = k.stride(i);
+    p.v_stride[i] = v.stride(i);
+    p.out_stride[i] = out.stride(i);
+  }
+  return {p, out};
+}
+
+torch::Tensor lsh_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& proj, const c10::optional<torch::Tensor>& keep, int64_t num_hashes,
+                            int64_t hash_bits) {
+  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+              hash_bits);
+  TORCH_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
+  check_tensor(proj, "proj", at::kFloat, 3);
+  auto [p, out] = attention_params(q, k, v, keep);
+  TORCH_CHECK(proj.size(0) == q.size(1) && proj.size(1) == q.size(3) && proj.size(2) == num_hashes * hash_bits,
+              "proj must be (H, D, num_hashes*hash_bits) = (", q.size(1), ", ", q.size(3), ", ",
+              num_hashes * hash_bits, "), got ", proj.sizes());
+  if (out.numel() == 0) return out;
+  p.proj = proj.data_ptr<float>();
+  p.m = num_hashes;
+  p.hash_bits = int(hash_bits);
+  yoso::lsh_attention(p, at::get_num_threads());
+  return out;
+}
+
+torch::Tensor exact_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const c10::optional<torch::Tensor>& keep, int64_t hash_bits) {
+  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+              hash_bits);
+  auto [p, out] = attention_params(q, k, v, keep);
+  if (out.numel() == 0) return out;
+  p.hash_bits = int(hash_bits);
+  yoso::exact_attention(p, at::get_num_threads());
+  return out;
+}
+
+yoso::ExactParams check_exact(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                              const torch::Tensor& keep, int64_t hash_bits) {
+  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+              hash_bits);
+  check_tensor(q, "q", at::kFloat, 3);
+  check_tensor(k, "k", at::kFloat, 3);
+  check_tensor(v, "v", at::kFloat, 3);
+  check_tensor(keep, "keep", at::kFloat, 2);
+  TORCH_CHECK(k.sizes() == q.sizes(), "k must have q's shape (BH, N, D) ", q.sizes(), ", got ", k.sizes());
+  TORCH_CHECK(v.size(0) == q.size(0) && v.size(1) == q.size(1), "v must be (BH, N, Dv) = (", q.size(0), ", ",
+              q.size(1), ", Dv), got ", v.sizes());
+  TORCH_CHECK(keep.size(0) == q.size(0) && keep.size(1) == q.size(1), "keep must be (BH, N) = (", q.size(0), ", ",
+              q.size(1), "), got ", keep.sizes());
+  yoso::ExactParams p{};
+  p.q = q.data_ptr<float>();
+  p.k = k.data_ptr<float>();
+  p.v = v.data_ptr<float>();
+  p.keep = keep.data_ptr<float>();
+  p.bh = q.size(0);
+  p.n = q.size(1);
+  p.d = q.size(2);
+  p.dv = v.size(2);
+  p.heads = 1;  // (BH, N, Dv) rows as (batch = BH, head = 0, row); out is allocated like v
+  p.v_stride[0] = p.out_stride[0] = v.stride(0);
+  p.v_stride[1] = p.out_stride[1] = 0;
+  p.v_stride[2] = p.out_stride[2] = v.stride(1);
+  p.tau = int(hash_bits);
+  return p;
+}
+
+torch::Tensor exact_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& keep, int64_t hash_bits) {
+  yoso::ExactParams p = check_exact(q, k, v, keep, hash_bits);
+  torch::Tensor out = torch::zeros(v.sizes(), v.options());
+  if (out.numel() == 0) return out;
+  p.out = out.data_ptr<float>();
+  yoso::exact_forward(p, at::get_num_threads());
+  return out;
+}
+
+std::vector<torch::Tensor> exact_backward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                          const torch::Tensor& keep, const torch::Tensor& grad, int64_t hash_bits,
+                                          bool true_grad, double min_sine) {
+  yoso::ExactParams p = check_exact(q, k, v, keep, hash_bits);
+  check_tensor(grad, "grad", at::kFloat, 3);
+  TORCH_CHECK(grad.sizes() == v.sizes(), "grad must have v's shape (BH, N, Dv) ", v.sizes(), ", got ", grad.sizes());
+  TORCH_CHECK(min_sine > 0 && min_sine <= 1, "min_sine must be in (0, 1], got ", min_sine);
+  std::vector<torch::Tensor> grads = {torch::zeros_like(q), torch::zeros_like(k), torch::zeros_like(v)};
+  if (q.numel() == 0 || v.numel() == 0) return grads;
+  p.grad = grad.data_ptr<float>();
+  p.grad_q = grads[0].data_ptr<float>();
+  p.grad_k = grads[1].data_ptr<float>();
+  p.grad_v = grads[2].data_ptr<float>();
+  p.true_grad = true_grad;
+  p.min_sine = float(min_sine);
+  yoso::exact_backward(p, at::get_num_threads());
+  return grads;
+}
+
+torch::Tensor collision_probability(const torch::Tensor& cosines, int64_t hash_bits) {
+  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+              hash_bits);
+  TORCH_CHECK(cosines.device().is_cpu() && cosines.scalar_type() == at::kFloat && cosines.is_contiguous(),
+              "cosines must be a contiguous float32 CPU tensor");
+  torch::Tensor out = cosines.clone();
+  yoso::simd::collision_weights(out.data_ptr<float>(), nullptr, nullptr, out.numel(), int(hash_bits), false, 0.f);
+  return out;
+}
+
+}  // namespace
+
+void register_fused_ops(pybind11::module_& m) {
+  m.def("lsh_attention", &lsh_attention,
+        "(q, k (B, H, N, D), v (B, H, N, Dv) fp32, proj (H, D, m*tau), keep (B, N) bool or None, num_hashes, "
+        "hash_bits) -> (B, H, N, Dv) fp32 view of (B, N, H, Dv) memory: hashing and cumulation fused",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("proj"), py::arg("keep"), py::arg("num_hashes"),
+        py::arg("hash_bits"), py::call_guard<py::gil_scoped_release>());
+  m.def("exact_attention", &exact_attention,
+        "(q, k (B, H, N, D) raw, v (B, H, N, Dv) fp32 views, keep (B, N) bool or None, hash_bits) -> (B, H, N, Dv) "
+        "fp32 view of (B, N, H, Dv) memory: YOSO-E for inference, rows normalised inside",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("keep"), py::arg("hash_bits"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("exact_forward", &exact_forward, "(q, k (BH, N, D) unit, v (BH, N, Dv), keep (BH, N), hash_bits) -> out",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("keep"), py::arg("hash_bits"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("exact_backward", &exact_backward,
+        "(q, k, v, keep, grad, hash_bits, true_grad, min_sine) -> [grad_q, grad_k, grad_v]", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("keep"), py::arg("grad"), py::arg("hash_bits"), py::arg("true_grad"),
+        py::arg("min_sine"), py::call_guard<py::gil_scoped_release>());
+  m.def("collision_probability", &collision_probability,
+        "(cosines fp32, hash_bits) -> (1 - arccos(clamp(c))/pi)^tau, the exact kernels' vectorised formula",
+        py::arg("cosines"), py::arg("hash_bits"));
+  m.def("simd_level", &yoso::simd::level, "which kernel bodies run: avx2 or portable");
+}

@@ -1,0 +1,37 @@
+// Block primitives of the YOSO CPU kernels (yoso_cpu_simd.cpp): a small GEMM, sign-bit packing
+// and the collision probability with its slopes. Each call does a whole block (thousands of
+// multiply-adds), so the one indirect call per block costs nothing; the bodies are AVX2+FMA
+// when the CPU has it (checked once) and portable loops otherwise.
+#pragma once
+
+#include <cstdint>
+
+namespace yoso::simd {
+
+// c (rows, n) = a (rows, k) @ b (k, n), or += when accumulate; row strides lda, ldb, ldc.
+// Every c[i][j] is summed over p = 0..k-1 in order, one FMA chain, whatever rows and n are.
+void gemm(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t rows, int64_t k, int64_t n, float* c,
+          int64_t ldc, bool accumulate);
+
+// codes[h * code_stride + r] = sum_t 2^t [scores[r * ld + h * bits + t] > 0] for r < rows, h < m.
+void pack_codes(const float* scores, int64_t ld, int64_t rows, int64_t m, int bits, int32_t* codes,
+                int64_t code_stride);
+
+// In place over n cosines c: weight = (1 - arccos(clamp(c))/pi)^tau * keep[j] (keep may be null).
+// When slope is given it receives d weight / dc (true_grad: tau (1 - theta/pi)^(tau-1) keep /
+// (pi max(sin theta, min_sine))) or the paper's bound tau/2 * weight.
+void collision_weights(float* c, float* slope, const float* keep, int64_t n, int tau, bool true_grad,
+                       float min_sine);
+
+// For each of rows output rows r: out[r] = (out[r] + sum_t rows[r * count + t]) * scale, the
+// sum taken in t order over the non-null table rows (dv floats each); out row stride ldo.
+void gather_rows(const float* const* rows, int64_t nrows, int64_t count, int64_t dv, float* out, int64_t ldo,
+                 float scale);
+
+// Largest |arccos error| of the polynomial used above, in radians (Abramowitz & Stegun 4.4.46).
+constexpr double kArccosMaxError = 2e-8;
+
+// Which bodies run: "avx2" or "portable" (YOSO_CPU_PORTABLE=1 in the environment forces the latter).
+const char* level();
+
+}  // namespace yoso::simd
