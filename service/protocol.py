@@ -5,14 +5,25 @@ request, hash range) are the engine's to check; here are only types and fixed vo
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from yoso_serve.model.hashes import resolve_hashes
 
 from .params import ClassifyParams, EmbedParams, HiddenParams
 
 Direction = Literal["right", "left"]
 LongInput = Literal["truncate", "chunk", "error"]
+
+
+def _hash_count(value):
+    """pydantic reads JSON true as 1; model/hashes.py refuses a boolean, as the encoder always did."""
+    return resolve_hashes(None, value, source="request") if isinstance(value, bool) else value
+
+
+# a count, "auto" (per input by its own length), or absent (the server's); the engine checks the range
+HashCount = Annotated[Union[int, Literal["auto"], None], BeforeValidator(_hash_count)]
 
 
 def _as_list(inputs: str | list[str]) -> list[str]:
@@ -35,8 +46,9 @@ class EmbedRequest(_Request):
                                   "a 422 (same as long_input='error').")
     truncation_direction: Direction = "right"
     pooling: Literal["mean", "cls"] | None = Field(None, description="Default: the model's.")
-    hashes: int | None = Field(None, description="LSH samples; 0 = exact YOSO-E. Default: the server's. "
-                               "Only for attention_type=yoso models (422 otherwise).")
+    hashes: HashCount = Field(None, description="LSH samples; 0 = exact YOSO-E; \"auto\" = exact below the "
+                              "server's crossover, the model's count above, by each input's own length. Default: "
+                              "the server's. A count only for attention_type=yoso models (422 otherwise).")
     long_input: LongInput = Field("truncate", description="What to do with an input over the "
                                   "model's max length: cut it, embed overlapping windows and "
                                   "combine them, or answer 422.")
@@ -51,7 +63,7 @@ class EmbedAllRequest(_Request):
     inputs: str | list[str]
     truncate: bool | None = None
     truncation_direction: Direction = "right"
-    hashes: int | None = None
+    hashes: HashCount = None
     long_input: Literal["truncate", "error"] = "truncate"
 
     def to_params(self) -> HiddenParams:
@@ -66,7 +78,7 @@ class ClassifyRequest(_Request):
     multi_label: bool = False
     raw_scores: bool = Field(False, description="Logits (head) or cosine similarities (zero-shot) "
                              "instead of probabilities.")
-    hashes: int | None = None
+    hashes: HashCount = None
     truncate: bool | None = None
     truncation_direction: Direction = "right"
 
