@@ -76,9 +76,9 @@ def is_onnx_dir(path: str | Path) -> bool:
         return False
 
 
-def check_serving(path: str | Path | None, hashes: int | None = None) -> None:
+def check_serving(path: str | Path | None, hashes: int | str | None = None) -> None:
     """What ``--runtime onnx`` needs at start: an exported ``path``, onnxruntime, and ``hashes``
-    (if given) equal to the exported count. Raises ValueError saying how to fix each."""
+    (if a count, not "auto") equal to the exported count. Raises ValueError saying how to fix each."""
     if path is None:
         raise ValueError("--runtime onnx needs --model pointing at a directory written by "
                          "`yoso-train export-onnx` (docs/onnx.md); the bundled default model is a torch "
