@@ -78,6 +78,11 @@ def crossover(rows: list[dict]) -> float | None:
     return math.exp(mx - my / slope)
 
 
+def _no_trend(rows: list[dict], batch: int) -> str:
+    ratios = [r["exact_s"] / r["lsh_s"] for r in rows if r["batch"] == batch]
+    return f"none found, exact/LSH shows no trend with N ({min(ratios):.2f} to {max(ratios):.2f})"
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| batch | N | exact (ms) | LSH (ms) | exact / LSH |", "|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -136,27 +141,29 @@ def main() -> None:
     from yoso_serve.model.hashes import AUTO_EXACT_BELOW
 
     if args.from_json:
-        rows, notes = [], []
-        for path in args.from_json:
-            saved = json.loads(path.read_text())
-            rows = [r for r in rows if r["batch"] not in {s["batch"] for s in saved["rows"]}] + saved["rows"]
-            notes.append(f"batch {', '.join(sorted({str(r['batch']) for r in saved['rows']}))}: {saved['machine']}, "
-                         f"load average {saved['load'][0]:.1f} before, {saved['load'][1]:.1f} after")
-        args.repeats = saved["repeats"]
+        runs = [json.loads(path.read_text()) for path in args.from_json]
     else:
         before = os.getloadavg()[0]
         rows = measure(args)
-        load = [before, os.getloadavg()[0]]
-        notes = [f"{machine()}, load average {load[0]:.1f} before, {load[1]:.1f} after"]
+        runs = [{"rows": rows, "repeats": args.repeats, "machine": machine(), "load": [before, os.getloadavg()[0]]}]
         OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps({"rows": rows, "repeats": args.repeats, "machine": machine(), "load": load}))
+        OUT.write_text(json.dumps(runs[0]))
+    rows, notes = [], []
+    for i, run in enumerate(runs):  # a later run's batch sizes replace an earlier run's
+        later = {r["batch"] for other in runs[i + 1:] for r in other["rows"]}
+        kept = [r for r in run["rows"] if r["batch"] not in later]
+        rows += kept
+        if kept:
+            notes.append(f"batch {', '.join(sorted({str(r['batch']) for r in kept}))}: median of {run['repeats']} "
+                         f"rounds, {run['machine']}, load average {run['load'][0]:.1f} before, "
+                         f"{run['load'][1]:.1f} after")
     lsh = rows[0]["lsh"]
     rows.sort(key=lambda r: (r["batch"], r["n"]))
     batches = sorted({r["batch"] for r in rows})
     points = {b: crossover([r for r in rows if r["batch"] == b]) for b in batches}
     found = [p for p in points.values() if p is not None]
     suggested = 32 * int(min(found) // 32) if found else None
-    summary = "; ".join(f"batch {b}: " + (f"N ≈ {p:.0f}" if p is not None else "no trend (noise)")
+    summary = "; ".join(f"batch {b}: " + (f"N ≈ {p:.0f}" if p is not None else _no_trend(rows, b))
                         for b, p in points.items())
     md = table(rows)
     print(md)
@@ -166,10 +173,11 @@ def main() -> None:
     if args.write_docs:
         write_section(SECTION,
             f"Where `hashes=\"auto\"` switches: one `embed` forward of the bundled default model, random ids, no "
-            f"padding, exact YOSO-E against its {lsh} LSH hashes, median of {args.repeats} alternated rounds "
-            f"(`bench/crossover.py`). Machine: {'; '.join(notes)}.\n\n{md}\n\n"
-            f"Crossover (exact cheaper below): {summary}. The served default, `--auto-exact-below` "
-            f"(`AUTO_EXACT_BELOW` in model/hashes.py), is the smaller: {suggested}.\n\n"
+            f"padding, exact YOSO-E against its {lsh} LSH hashes, alternated rounds (`bench/crossover.py`). "
+            f"{'; '.join(notes)}.\n\n{md}\n\n"
+            f"Crossover (exact cheaper below): {summary}. Suggested `--auto-exact-below` (`AUTO_EXACT_BELOW` in "
+            f"model/hashes.py, now {AUTO_EXACT_BELOW}): the smallest crossover found, rounded down to a multiple "
+            f"of 32: {suggested}.\n\n"
             f"![crossover](img/{PLOT.name})")
 
 
