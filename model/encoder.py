@@ -27,6 +27,7 @@ from torch import nn
 
 from .attention import build_attention
 from .config import EncoderConfig
+from .hashes import resolve_hashes
 from .reversible import ReversibleBlock, reversible_stack
 
 # Position ids start here, as in transformers' YOSO (rows 0 and 1 of the table are unused).
@@ -239,18 +240,9 @@ class YosoEncoder(nn.Module):
             nn.init.zeros_(module.weight[module.padding_idx])
 
     def resolve_hashes(self, hashes: int | None) -> int:
-        """The hash count of a call: ``None`` → config.default_hashes; must be an int ≥ 0.
-
-        Only yoso has hash counts: another attention_type takes None or 0 and raises otherwise.
-        """
-        if hashes is None:
-            return self.config.default_hashes
-        if isinstance(hashes, bool) or not isinstance(hashes, int) or hashes < 0:
-            raise ValueError(f"hashes must be an int >= 0 (0 = exact), got {hashes!r}")
-        if hashes and self.config.attention_type != "yoso":
-            raise ValueError(f"hashes={hashes} only applies to attention_type=yoso; this model's attention_type "
-                             f"is {self.config.attention_type!r} (pass hashes=None)")
-        return hashes
+        """The hash count of a call: ``None`` → config.default_hashes; the rules are model/hashes.py's
+        (an int ≥ 0; another attention_type takes None or 0)."""
+        return resolve_hashes(self.config, hashes)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, *, hashes: int | None = None) -> torch.Tensor:

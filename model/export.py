@@ -34,6 +34,7 @@ from yoso_serve.kernels.hashing import _projection
 
 from .checkpoint import load_pretrained
 from .encoder import YosoSelfAttention
+from .hashes import resolve_hashes
 from .heads import EncoderModel
 
 ONNX_FILE = "model.onnx"
@@ -187,11 +188,6 @@ class ExportableEncoder(nn.Module):
         return outputs
 
 
-def _check_hashes(hashes: int) -> None:
-    if isinstance(hashes, bool) or not isinstance(hashes, int) or hashes < 0:
-        raise ValueError(f"hashes must be an int >= 0 (0 = exact YOSO-E), got {hashes!r}")
-
-
 def check_exportable(config) -> None:
     """Raise ValueError unless ``config`` (an EncoderConfig) is a model this exporter covers."""
     if config.attention_type != "yoso" or getattr(config, "reversible", False):
@@ -212,8 +208,7 @@ def export_onnx(model: EncoderModel | str | Path, out_dir: str | Path, *, hashes
     if not isinstance(model, EncoderModel):
         model = load_pretrained(model)
     check_exportable(model.config)
-    hashes = model.config.default_hashes if hashes is None else hashes
-    _check_hashes(hashes)
+    hashes = resolve_hashes(model.config, hashes)
     if opset < 16:
         raise ValueError(f"opset must be >= 16 (ScatterND with add reduction), got {opset}")
     out_dir = Path(out_dir)

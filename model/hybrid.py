@@ -27,6 +27,7 @@ import torch
 from .checkpoint import WEIGHTS_BIN, WEIGHTS_INDEX, WEIGHTS_SAFETENSORS, CheckpointError
 from .default import cache_root
 from .export import DEFAULT_OPSET, ONNX_FILE, export_onnx
+from .hashes import resolve_hashes
 from .heads import EncoderModel
 from .onnx_runtime import OnnxEncoderModel, OnnxModelError
 
@@ -163,7 +164,7 @@ class HybridEncoderModel:
 
     def runs_on_onnx(self, hashes: int | None) -> bool:
         """True when a call with ``hashes`` runs on ONNX Runtime."""
-        return (self.config.default_hashes if hashes is None else hashes) == self.onnx_hashes
+        return resolve_hashes(self.config, hashes) == self.onnx_hashes
 
     def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> "HybridEncoderModel":
         self.torch_model.to(device=device, dtype=dtype)

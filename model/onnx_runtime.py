@@ -18,6 +18,7 @@ import torch
 
 from .config import POOLINGS, EncoderConfig
 from .export import ONNX_FILE
+from .hashes import AUTO, resolve_hashes
 from .tokenizer import TOKENIZER_FILES, TextTokenizer
 
 DEVICES = ("cpu", "cuda")
@@ -75,9 +76,9 @@ def is_onnx_dir(path: str | Path) -> bool:
         return False
 
 
-def check_serving(path: str | Path | None, hashes: int | None = None) -> None:
+def check_serving(path: str | Path | None, hashes: int | str | None = None) -> None:
     """What ``--runtime onnx`` needs at start: an exported ``path``, onnxruntime, and ``hashes``
-    (if given) equal to the exported count. Raises ValueError saying how to fix each."""
+    (if a count, not "auto") equal to the exported count. Raises ValueError saying how to fix each."""
     if path is None:
         raise ValueError("--runtime onnx needs --model pointing at a directory written by "
                          "`yoso-train export-onnx` (docs/onnx.md); the bundled default model is a torch "
@@ -89,9 +90,8 @@ def check_serving(path: str | Path | None, hashes: int | None = None) -> None:
                          f"`yoso-train export-onnx --model {path} --out DIR` and serve DIR")
     _import_onnxruntime()
     exported = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))["onnx"]["hashes"]
-    if hashes is not None and hashes != exported:
-        raise ValueError(f"--hashes {hashes} but {path} was exported with {exported} hashes (the graph fixes "
-                         f"the count); drop --hashes or re-export with --hashes {hashes}")
+    if hashes is not None and hashes != AUTO:
+        resolve_hashes(None, hashes, source="setting", fixed=exported)
 
 
 class OnnxEncoderModel:
@@ -197,11 +197,8 @@ class OnnxEncoderModel:
 
     # --- internals --------------------------------------------------------------------
     def check_hashes(self, hashes: int | None) -> int:
-        """The call's hash count: None → the exported one; any other count → ValueError."""
-        if hashes is None or hashes == self.fixed_hashes:
-            return self.fixed_hashes
-        raise ValueError(f"hashes must be {self.fixed_hashes}, the count this ONNX model was exported with "
-                         f"(the graph fixes it); got {hashes}. Re-export with --hashes {hashes} to change it")
+        """The call's hash count: None → the exported one; any other count → ValueError (model/hashes.py)."""
+        return resolve_hashes(self.config, hashes, fixed=self.fixed_hashes)
 
     @staticmethod
     def _mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

@@ -16,6 +16,8 @@ from typing import Awaitable, Callable
 import numpy as np
 import torch
 
+from yoso_serve.model.hashes import HashesError, auto_crossover, hashes_header, resolve_hashes
+
 from .admission import SPEED_PROBE, request_budget
 from .errors import ClientGone, InvalidInput, NotReady
 from .metrics import ServiceMetrics
@@ -127,20 +129,17 @@ class Engine:
         if s.chunk_overlap >= self.window:
             raise ValueError(f"--chunk-overlap {s.chunk_overlap} must be below the window of "
                              f"{self.window} tokens; lower it")
-        if s.hashes is not None and cfg.attention_type != "yoso":
-            raise ValueError(f"--hashes only applies to attention_type=yoso; this model's attention_type "
-                             f"is {cfg.attention_type!r}: leave it unset")
-        self.default_hashes = s.hashes if s.hashes is not None else cfg.default_hashes
-        if self.default_hashes > s.max_hashes:
-            raise ValueError(f"the model's default hash count {self.default_hashes} is above "
-                             f"--max-hashes {s.max_hashes}; raise --max-hashes or set --hashes")
+        self.fixed_hashes = getattr(model, "fixed_hashes", None)  # an ONNX graph is exported for one count
+        self.default_hashes = resolve_hashes(cfg, s.hashes, source="setting", max_hashes=s.max_hashes,
+                                             fixed=self.fixed_hashes, n_tokens=self.max_length)
+        self.exact_below = auto_crossover(s.auto_exact_below, loaded.runtime)
         self.model = model.to(self.device).eval()
         # an ONNX or hybrid model reports its own runtime (onnxruntime, providers) besides the torch kernels'
         self.backend = model.backend_info() if hasattr(model, "backend_info") else backend_info()
         self.runtime, self.runtime_reason = loaded.runtime, loaded.reason
         self.metrics.set_model_info(model=self.model_name, hashes=self.default_hashes,
                                     backend=str(self.backend.get("backend")), device=self.device,
-                                    runtime=self.runtime)
+                                    runtime=self.runtime, policy=str(s.hashes), auto_exact_below=self.exact_below)
         self.scheduler = BatchScheduler(
             self._forward, max_batch_tokens=s.max_batch_tokens, max_batch_requests=s.max_batch_requests,
             max_wait_ms=s.max_wait_ms, max_queue_tokens=s.max_queue_tokens, metrics=self.metrics)
@@ -171,9 +170,9 @@ class Engine:
                                f"model's hidden size), got {p.dimensions}", param="dimensions")
         t0 = time.monotonic()
         pieces = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
-        usage = Usage(hashes=hashes, tokenize_ms=1000 * (time.monotonic() - t0))
+        usage = Usage(tokenize_ms=1000 * (time.monotonic() - t0))
         flat = [(i, ids, w) for i, windows in enumerate(pieces) for ids, w in windows]
-        rows = await self._run([ids for _, ids, _ in flat], hashes, "embed", p.pooling, usage, watch)
+        rows = await self._run([ids for _, ids, _ in flat], hashes, "embed", p.pooling, usage, watch, [i for i, *_ in flat])
         vectors = np.zeros((len(p.texts), rows[0].shape[0]), dtype=np.float32)
         weights = np.zeros(len(p.texts), dtype=np.float32)
         for (i, _, w), row in zip(flat, rows):
@@ -223,11 +222,11 @@ class Engine:
         usage.inference_ms += labels.usage.inference_ms
         return Output(_ranked(scores, list(p.labels)), usage)
 
-    async def _run_whole_inputs(self, p, hashes: int, kind: str, watch: Watch | None) -> tuple[list, Usage]:
+    async def _run_whole_inputs(self, p, hashes: int | str, kind: str, watch: Watch | None) -> tuple[list, Usage]:
         """Tokenise p.texts (one window each: no chunking) and run them; (rows, usage)."""
         t0 = time.monotonic()
         pieces = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
-        usage = Usage(hashes=hashes, tokenize_ms=1000 * (time.monotonic() - t0))
+        usage = Usage(tokenize_ms=1000 * (time.monotonic() - t0))
         return await self._run([w[0][0] for w in pieces], hashes, kind, None, usage, watch), usage
 
     async def _classify_head(self, p: ClassifyParams, watch: Watch | None) -> Output:
@@ -289,7 +288,9 @@ class Engine:
                                              "max_position_embeddings", "num_hash", "hash_code_len",
                                              "use_expectation", "pooling", "attention_type")},
             "max_input_length": getattr(self, "max_length", None),
+            "hashes": s.hashes,
             "default_hashes": getattr(self, "default_hashes", None),
+            "auto_exact_below": getattr(self, "exact_below", None),
             "max_hashes": s.max_hashes,
             "has_classifier": None if cfg is None else self.model.has_classifier,
             "labels": None if cfg is None else list(self.model.id2label.values()),
@@ -310,20 +311,14 @@ class Engine:
                   "failed": f"model failed to load ({self.failure})"}[self.state]
         raise NotReady(f"{reason}; retry later or on another replica")
 
-    def _hashes(self, requested: int | None) -> int:
-        kind = self.model.config.attention_type
-        if requested is not None and kind != "yoso":  # other attention types have no hash count
-            raise InvalidInput(f"hashes only applies to attention_type=yoso; this model's attention_type is "
-                               f"{kind!r}: leave hashes unset", param="hashes")
-        hashes = self.default_hashes if requested is None else requested
-        if not 0 <= hashes <= self.settings.max_hashes:
-            raise InvalidInput(f"hashes must be in [0, {self.settings.max_hashes}] (max_hashes), "
-                               f"got {hashes}", param="hashes")
-        fixed = getattr(self.model, "fixed_hashes", None)  # an ONNX graph is exported for one count
-        if fixed is not None and hashes != fixed:
-            raise InvalidInput(f"hashes must be {fixed}: this ONNX model was exported with {fixed} hashes "
-                               f"(exported_hashes), got {hashes}", param="hashes")
-        return hashes
+    def _hashes(self, requested: int | str | None, n_tokens: int | None = None) -> int | str:
+        """A request's count ("auto" stays), or one input's with ``n_tokens``; model/hashes.py decides."""
+        try:
+            return resolve_hashes(self.model.config, requested, source="request", default=self.settings.hashes,
+                                  max_hashes=self.settings.max_hashes, fixed=self.fixed_hashes,
+                                  exact_below=self.exact_below, n_tokens=n_tokens)
+        except HashesError as exc:
+            raise InvalidInput(str(exc), param="hashes") from None
 
     def _check_texts(self, texts: list[str]) -> None:
         if not texts:
@@ -364,12 +359,16 @@ class Engine:
                         chunk_windows(len(ids), self.window, self.settings.chunk_overlap)])
         return out
 
-    async def _run(self, seqs: list[list[int]], hashes: int, kind: str, pooling: str | None,
-                   usage: Usage, watch: Watch | None) -> list[np.ndarray]:
-        """Queue one item per sequence, wait for all (or the client leaving), fill ``usage``."""
+    async def _run(self, seqs: list[list[int]], hashes: int | str, kind: str, pooling: str | None,
+                   usage: Usage, watch: Watch | None, owners: list[int] | None = None) -> list[np.ndarray]:
+        """Queue one item per sequence at the count its own length resolves ``hashes`` to (the batcher
+        groups by it), wait for all (or the client leaving), fill ``usage``. ``owners``: each sequence's input."""
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + request_budget(self.settings.request_timeout)
-        items = [WorkItem(ids, hashes, kind, pooling, deadline, loop.create_future(), loop) for ids in seqs]
+        counts = [self._hashes(hashes, len(ids)) for ids in seqs]
+        usage.hashes = hashes_header(counts, owners)
+        items = [WorkItem(ids, count, kind, pooling, deadline, loop.create_future(), loop)
+                 for ids, count in zip(seqs, counts)]
         self.scheduler.submit(items)
         gathered = asyncio.gather(*(it.future for it in items), return_exceptions=True)
         if watch is not None:
@@ -383,6 +382,8 @@ class Engine:
         for r in results:
             if isinstance(r, BaseException):  # the scheduler only fails items with ServiceErrors
                 raise r
+        for count in counts:  # counted once run, like yoso_tokens_processed
+            self.metrics.inputs_by_hashes.labels(str(count)).inc()
         usage.tokens += sum(len(s) for s in seqs)
         usage.queue_ms = max(1000 * it.queue_wait for it in items)
         usage.inference_ms += sum({it.batch_id: 1000 * it.inference for it in items}.values())

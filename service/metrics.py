@@ -66,6 +66,9 @@ class ServiceMetrics:
                                       buckets=power_of_two_buckets(max_length), registry=r)
         self.tokens = Counter("yoso_tokens_processed", "Real (unpadded) tokens run through the model",
                               registry=r)
+        self.inputs_by_hashes = Counter("yoso_inputs_by_hashes", "Inputs run (a chunked input's windows "
+                                        "one each) by the hash count each ran with (0 = exact YOSO-E)",
+                                        ["hashes"], registry=r)
         self.model_info = Info("yoso_model", "Served model and how it runs", registry=r)
         self.gpu_memory = Gauge("yoso_gpu_memory_bytes", "CUDA memory allocated by torch (CUDA only)",
                                 registry=r)
@@ -73,9 +76,13 @@ class ServiceMetrics:
                            registry=r)
         self.device = "cpu"
 
-    def set_model_info(self, *, model: str, hashes: int, backend: str, device: str, runtime: str) -> None:
+    def set_model_info(self, *, model: str, hashes: int, backend: str, device: str, runtime: str,
+                       policy: str | None = None, auto_exact_below: int | None = None) -> None:
+        """``hashes``: the count at and above auto's crossover (always, under a fixed ``policy``);
+        ``policy``: --hashes ("auto" or a count); ``auto_exact_below``: the crossover in tokens."""
         self.model_info.info({"model": model, "hashes": str(hashes), "backend": backend,
-                              "device": device, "runtime": runtime})
+                              "device": device, "runtime": runtime, "hashes_policy": str(policy or hashes),
+                              "auto_exact_below": str(auto_exact_below or 0)})
         self.device = device
 
     def exposition(self) -> bytes:

@@ -14,7 +14,7 @@ class EmbedParams:
     normalize: bool = True
     truncation_direction: str = "right"
     pooling: str | None = None
-    hashes: int | None = None
+    hashes: int | str | None = None  # an int, "auto", or None (the server's)
     long_input: str = "truncate"  # "truncate" | "chunk" | "error"
     dimensions: int | None = None
 
@@ -23,7 +23,7 @@ class EmbedParams:
 class HiddenParams:
     texts: list[str]
     truncation_direction: str = "right"
-    hashes: int | None = None
+    hashes: int | str | None = None
     long_input: str = "truncate"  # "truncate" | "error"
 
 
@@ -33,7 +33,7 @@ class ClassifyParams:
     labels: list[str] | None = None
     multi_label: bool = False
     raw_scores: bool = False
-    hashes: int | None = None
+    hashes: int | str | None = None
     truncation_direction: str = "right"
     long_input: str = "truncate"
 
@@ -43,7 +43,7 @@ class Usage:
     """What the response headers report: tokens computed and where the time went (ms)."""
 
     tokens: int = 0
-    hashes: int = 0
+    hashes: str = "0"  # x-hashes: what ran, per input when they differ (model/hashes.py hashes_header)
     tokenize_ms: float = 0.0
     queue_ms: float = 0.0
     inference_ms: float = 0.0

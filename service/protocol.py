@@ -55,6 +55,8 @@ Texts = Annotated[Union[Annotated[Text, Tag("text")],
                         Annotated[list[Text], Field(min_length=1), Tag("list")]],
                   Discriminator(_text_or_list)]
 TokenIds = Annotated[list[_integer(0)], Field(min_length=1)]
+# a count, "auto" (per input by its own length), or absent (the server's); the engine checks the range
+HashCount = Union[Hashes, Literal["auto"], None]
 
 
 def _as_list(inputs: str | list[str]) -> list[str]:
@@ -78,7 +80,9 @@ class EmbedRequest(_Request):
                                   "a 422 (same as long_input='error').")
     truncation_direction: Direction = "right"
     pooling: Literal["mean", "cls"] | None = Field(None, description="Default: the model's.")
-    hashes: Hashes | None = None
+    hashes: HashCount = Field(None, description="LSH samples; 0 = exact YOSO-E; \"auto\" = exact below the "
+                              "server's crossover, the model's count above, by each input's own length. Default: "
+                              "the server's. A count only for attention_type=yoso models (422 otherwise).")
     long_input: LongInput = Field("truncate", description="What to do with an input over the "
                                   "model's max length: cut it, embed overlapping windows and "
                                   "combine them, or answer 422.")
@@ -96,7 +100,7 @@ class EmbedAllRequest(_Request):
     inputs: Texts
     truncate: bool | None = None
     truncation_direction: Direction = "right"
-    hashes: Hashes | None = None
+    hashes: HashCount = None
     long_input: Literal["truncate", "error"] = "truncate"
 
     def to_params(self) -> HiddenParams:
@@ -112,7 +116,7 @@ class ClassifyRequest(_Request):
     multi_label: bool = False
     raw_scores: bool = Field(False, description="Logits (head) or cosine similarities (zero-shot) "
                              "instead of probabilities.")
-    hashes: Hashes | None = None
+    hashes: HashCount = None
     truncate: bool | None = None
     truncation_direction: Direction = "right"
 
@@ -174,7 +178,7 @@ class PredictRequest(_Request):
     raw_scores: bool = Field(False, description="Logits instead of softmax probabilities.")
     truncate: bool | None = None
     truncation_direction: Direction = "right"
-    hashes: Hashes | None = None
+    hashes: HashCount = None
     parameters: PredictParameters | None = Field(
         None, description="Inference API form: with it, a single text is answered as a batch of one.")
 
@@ -207,7 +211,7 @@ class RerankRequest(_Request):
     truncation_direction: Direction = "right"
     long_input: LongInput = Field("truncate", description="Texts over the model's max length: cut, "
                                   "embedded in windows ('chunk'), or a 422.")
-    hashes: Hashes | None = None
+    hashes: HashCount = None
 
     def params(self) -> tuple[EmbedParams, EmbedParams]:
         """(query, texts): two calls, so that ``texts`` alone counts against max_client_batch_size."""

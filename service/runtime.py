@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from yoso_serve.model.hashes import resolve_hashes
+
 from .settings import ServeSettings
 
 log = logging.getLogger("yoso_serve.service")
@@ -59,7 +61,8 @@ def load_served_model(settings: ServeSettings) -> LoadedModel:
     if settings.runtime == "torch":
         return LoadedModel(model, "torch", "--runtime torch")
     if settings.runtime == "hybrid":
-        served = settings.hashes if settings.hashes is not None else model.config.default_hashes
+        # auto serves the model's count from ONNX: its exact switch is torch-only (model/hashes.py)
+        served = resolve_hashes(model.config, settings.hashes, source="setting", n_tokens=model.config.max_length)
         return _load_hybrid(model, path, served, device)
     reason = AUTO_REASONS[device]
     log.info("runtime torch: %s", reason)

@@ -8,10 +8,12 @@ message that says how to fix it, not on the first request.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal, Union
 
 from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from yoso_serve.model.hashes import AUTO, AUTO_EXACT_BELOW, resolve_hashes
 
 
 class ServeSettings(BaseSettings):
@@ -28,8 +30,13 @@ class ServeSettings(BaseSettings):
                                      "/metrics (it is always on the main port too).")
     api_key: SecretStr | None = Field(None, description="Require `Authorization: Bearer <key>` on "
                                       "every route except /health, /ready, /metrics and the docs. Never logged.")
-    hashes: int | None = Field(None, ge=0, description="Default hash count per request (0 = exact "
-                               "YOSO-E). Default: the model's (0 if use_expectation else num_hash).")
+    hashes: Union[Annotated[int, Field(ge=0)], Literal["auto"]] = Field(
+        AUTO, description="Default hash count per request. auto = per input, exact YOSO-E below "
+        "--auto-exact-below tokens and the model's count (0 if use_expectation else num_hash) at and above; "
+        "m = m LSH samples; 0 = exact YOSO-E for every input.")
+    auto_exact_below: int = Field(AUTO_EXACT_BELOW, ge=0, description="Under hashes=auto, inputs with fewer "
+                                  "tokens than this (specials included) run exact YOSO-E, which costs less "
+                                  "than LSH there (measured: docs/benchmarks.md); 0 = never. Torch runtime only.")
     max_hashes: int = Field(256, ge=0, description="Largest hash count a request may ask for.")
     max_batch_tokens: int = Field(16384, ge=1, description="Token budget of one batch, counted "
                                   "padded (batch size x longest input).")
@@ -77,9 +84,7 @@ class ServeSettings(BaseSettings):
             from yoso_serve.model.hybrid import check_serving as check_hybrid_serving
 
             check_hybrid_serving(self.hashes)
-        if self.hashes is not None and self.hashes > self.max_hashes:
-            raise ValueError(f"--hashes {self.hashes} is above --max-hashes {self.max_hashes}; "
-                             "lower --hashes or raise --max-hashes")
+        resolve_hashes(None, self.hashes, source="setting", max_hashes=self.max_hashes)
         if self.model is not None and not (self.model / "config.json").is_file():
             raise ValueError(f"--model {self.model} has no config.json; point --model / YOSO_MODEL "
                              "at a directory written by save_pretrained or yoso-convert")

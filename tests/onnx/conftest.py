@@ -90,10 +90,11 @@ def torch_dir(tiny_model, tmp_path_factory) -> Path:
 @asynccontextmanager
 async def _serving(model_dir: Path, **overrides):
     """The app on ``model_dir`` with its lifespan running and ready, and an in-process httpx client
-    (httpx.ASGITransport does not run the lifespan; tests/service/conftest.py does the same)."""
+    (httpx.ASGITransport does not run the lifespan; tests/service/conftest.py does the same). auto's
+    exact switch is off unless asked for: the torch side is the LSH oracle of the ONNX graph."""
     from yoso_serve.service import ServeSettings, create_app
 
-    app = create_app(ServeSettings(model=model_dir, **overrides))
+    app = create_app(ServeSettings(model=model_dir, **{"auto_exact_below": 0, **overrides}))
     async with app.router.lifespan_context(app):
         await app.state.startup
         transport = httpx.ASGITransport(app=app)

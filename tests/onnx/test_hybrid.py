@@ -222,9 +222,11 @@ def _session(model_dir, serve, **settings):
 
 
 def test_the_app_serves_hybrid_and_says_so(torch_dir, cache, serve):
-    out = _session(torch_dir, serve, runtime="hybrid")
+    # a crossover above every text: on hybrid, auto still serves the exported count (model/hashes.py)
+    out = _session(torch_dir, serve, runtime="hybrid", auto_exact_below=10_000)
     info = out["info"].json()
     assert info["runtime"] == "hybrid" and info["runtime_reason"].startswith("--runtime hybrid")
+    assert info["hashes"] == "auto" and info["auto_exact_below"] == 0  # the crossover is torch's
     backend = info["backend"]
     assert backend["backend"] == "onnxruntime+torch" and backend["onnx_hashes"] == info["default_hashes"] == 16
     assert backend["onnxruntime"]["providers"] == ["CPUExecutionProvider"]

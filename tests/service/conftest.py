@@ -54,8 +54,10 @@ async def serving(model_dir: Path, *, wait_ready: bool = True, load_model=None, 
     """An app on ``model_dir`` with its lifespan running, and an httpx client talking to it in-process.
 
     The runtime is torch unless a test asks for another: these tests check the service against torch
-    oracles whatever the default runtime (tests/onnx covers the others)."""
-    settings = ServeSettings(model=model_dir, **{"runtime": "torch", **overrides})
+    oracles whatever the default runtime (tests/onnx covers the others). For the same reason auto's
+    exact switch is off unless asked for (auto_exact_below=0: auto runs the model's count on every
+    input, what these oracles compute); tests/service/test_auto_hashes.py covers the switch."""
+    settings = ServeSettings(model=model_dir, **{"runtime": "torch", "auto_exact_below": 0, **overrides})
     app = create_app(settings, load_model=load_model, model_name="test-model" if load_model else None)
     async with app.router.lifespan_context(app):
         if wait_ready:
