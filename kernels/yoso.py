@@ -222,7 +222,8 @@ def _kernels(backend: str, device: torch.device) -> Kernels:
         return torch_kernels
     if device.type != "cpu":
         raise ValueError(f"backend 'cpp' needs CPU tensors, got device {device}")
-    return Kernels(_cpp_codes(ext), ext.lsh_cumulate, ext.lsh_weighted_cumulate, _cpp_fused(ext), cpp_exact_fn(ext))
+    return Kernels(_cpp_codes(ext), ext.lsh_cumulate, ext.lsh_weighted_cumulate, fused=_cpp_fused(ext),
+                   exact=cpp_exact_fn(ext))
 
 
 class YosoLSHFn(torch.autograd.Function):

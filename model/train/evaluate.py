@@ -48,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="document JSONL {doc, source, blocks, tokens} for deep and short retrieval")
     p.add_argument("--retrieval-docs", type=int, default=300, help="documents in the deep-retrieval corpus")
     p.add_argument("--retrieval-tokens", default="1200,4000", help="LO,HI token range of those documents")
-    p.add_argument("--retrieval-hashes", default="served",
-                   help="student hash count in retrieval: 'served' (the model's default) or an int (0 = exact)")
+    p.add_argument("--retrieval-hashes", default="auto",
+                   help="student hash count in retrieval: 'auto' (the server's default: exact below the measured "
+                        "crossover, the model's count above, per text) or an int (0 = exact)")
     p.add_argument("--window", type=int, default=240, help="teacher window in tokens for windowed retrieval")
     p.add_argument("--short-pairs", type=int, default=500, help="pairs in the short-retrieval task")
     p.add_argument("--hashes", default="0,8,16,32,64", help="hash counts to evaluate (0 = exact)")
@@ -154,9 +155,9 @@ def retrieval_results(args: argparse.Namespace, model: EncoderModel, teacher: Be
 
     try:
         lo, hi = (int(x) for x in args.retrieval_tokens.split(","))
-        hashes = None if args.retrieval_hashes == "served" else int(args.retrieval_hashes)
+        hashes = args.retrieval_hashes if args.retrieval_hashes == "auto" else int(args.retrieval_hashes)
     except ValueError:
-        raise ValueError(f"--retrieval-tokens must be LO,HI and --retrieval-hashes 'served' or an int, got "
+        raise ValueError(f"--retrieval-tokens must be LO,HI and --retrieval-hashes 'auto' or an int, got "
                          f"{args.retrieval_tokens!r}, {args.retrieval_hashes!r}") from None
     if not 3 <= args.window <= teacher.max_positions:
         raise ValueError(f"--window must be in 3..{teacher.max_positions}, got {args.window}")

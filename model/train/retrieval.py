@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from yoso_serve.model import EncoderModel
+from yoso_serve.model.hashes import AUTO_EXACT_BELOW, resolve_hashes
 
 from .teacher import BertTeacher
 
@@ -110,7 +111,7 @@ def batched(embed_ids: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], seq
 class Embedders:
     """The three ways to embed a document compared here, each from texts to (n, D)."""
 
-    def __init__(self, student: EncoderModel, teacher: BertTeacher, *, hashes: int | None, window: int,
+    def __init__(self, student: EncoderModel, teacher: BertTeacher, *, hashes: int | str, window: int,
                  device: torch.device, token_budget: int = 8192) -> None:
         self.student, self.teacher, self.hashes, self.window = student, teacher, hashes, window
         self.tok, self.device, self.budget = student.tokenizer, device, token_budget
@@ -119,8 +120,17 @@ class Embedders:
         return batched(fn, seqs, pad_id=self.tok.pad_id, token_budget=self.budget, device=self.device, desc=desc)
 
     def student_one_pass(self, texts: list[str]) -> torch.Tensor:
+        """One pass per text at ``hashes``: a count, or "auto" resolved per text by its own length as the
+        server's default does (exact below the crossover, the model's count above)."""
         seqs = self.tok.encode(texts, max_length=self.student.config.max_length)
-        return self._run(lambda i, m: self.student.embed(i, m, hashes=self.hashes), seqs, "student")
+        counts = [resolve_hashes(self.student.config, self.hashes, source="request", exact_below=AUTO_EXACT_BELOW,
+                                 n_tokens=len(s)) for s in seqs]
+        out = torch.empty(len(seqs), self.student.config.hidden_size)
+        for count in sorted(set(counts)):
+            rows = [i for i, c in enumerate(counts) if c == count]
+            out[rows] = self._run(lambda i, m: self.student.embed(i, m, hashes=count), [seqs[i] for i in rows],
+                                  f"student, hashes={count}")
+        return out
 
     def teacher_truncated(self, texts: list[str]) -> torch.Tensor:
         seqs = self.tok.encode(texts, max_length=self.teacher.max_positions)

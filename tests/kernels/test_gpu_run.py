@@ -91,7 +91,7 @@ def table(stdout: str) -> dict[str, list[str]]:
 @pytest.mark.slow  # loads the bundled model three times: about a minute on two shared cores
 def test_each_step_becomes_a_row_of_the_final_table(claims_a_gpu, tmp_path):
     env = {"PYTHON": str(claims_a_gpu), "OUT": str(tmp_path / "out"), "GPU_RUN_DEVICE": "cpu",
-           "GPU_RUN_TOKENS": "32", "GPU_RUN_BATCH": "2"}
+           "GPU_RUN_TOKENS": "32", "GPU_RUN_BATCH": "2", "GPU_RUN_LIMIT_MODEL": "240"}
     done = run("--steps", "model,onnx", env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-4] == "device: stand-in GPU"
