@@ -27,10 +27,7 @@
 // The fused inference ops and the exact YOSO-E kernels' bindings (yoso_cpu_fused.cpp).
 void register_fused_ops(pybind11::module_& m);
 
-namespace {
-
-using yoso::kMaxHashBits;
-
+// One tensor check for every binding of the extension (yoso_cpu_fused.cpp declares it too).
 void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
   TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", c10::toString(dtype), ", got ",
@@ -38,6 +35,10 @@ void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype
   TORCH_CHECK(t.dim() == rank, name, " must have rank ", rank, ", got shape ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
+
+namespace {
+
+using yoso::kMaxHashBits;
 
 void check_codes_range(const torch::Tensor& codes, const char* name, int64_t buckets, int64_t hash_bits) {
   if (codes.numel() == 0) return;

@@ -19,17 +19,12 @@
 #include "yoso_cpu.h"
 #include "yoso_cpu_simd.h"
 
+// Defined in yoso_cpu.cpp: device, dtype, rank and contiguity, with messages that name the limit.
+void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank);
+
 namespace {
 
 using yoso::kMaxHashBits;
-
-void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", c10::toString(dtype), ", got ",
-              c10::toString(t.scalar_type()));
-  TORCH_CHECK(t.dim() == rank, name, " must have rank ", rank, ", got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
 
 // A (B, H, N, D) fp32 CPU view whose last dimension has unit stride (a head split needs no copy).
 void check_view(const torch::Tensor& t, const char* name) {

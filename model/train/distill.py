@@ -191,6 +191,13 @@ def add_conv(student: EncoderModel, window: int) -> None:
             nn.init.zeros_(m.conv.weight)
 
 
+def export_student(student: EncoderModel, session: Session, *, fp16: bool) -> None:
+    """Write ``student`` to the run's ``model/`` with the served hash projections (rank 0 only)."""
+    if session.dist.is_main:
+        set_hash_seeds(student, student.config.hash_seed)
+        save_pretrained(student, session.run.path / "model", dtype=torch.float16 if fp16 else None)
+
+
 def init_student(args: argparse.Namespace, session: Session) -> Path:
     """The student's starting directory: --student, or the teacher converted into the run dir."""
     if args.student:
@@ -246,15 +253,10 @@ def run(args: argparse.Namespace) -> int:
                                      layers=bool(args.w_layers)))
         return batch
 
-    def export() -> None:
-        if session.dist.is_main:
-            set_hash_seeds(student, student.config.hash_seed)
-            save_pretrained(student, session.run.path / "model", dtype=torch.float16 if args.save_fp16 else None)
-
     options = dataclasses.replace(train_options(args), lr_scales=(("attention.self.conv.weight", args.conv_lr_scale),))
     trainer = Trainer(module, TokenizedDataset(ids), lambda items: pad_batch(items, tok.pad_id), prepare,
                       options=options, run=session.run, dist_=session.dist, device=session.device)
-    trainer.on_save = export
+    trainer.on_save = lambda: export_student(student, session, fp16=args.save_fp16)
     if args.resume:
         trainer.resume()
     session.say(f"distill: {len(ids)} texts, {trainer.total_steps} steps, hashes {train_hashes}, "

@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from yoso_serve.model import EncoderModel, load_pretrained, save_pretrained
+from yoso_serve.model import EncoderModel, load_pretrained
 
 from .common import add_common_arguments, prepare_model, start, train_options
-from .distill import parse_hashes, set_hash_seeds
+from .distill import export_student, parse_hashes, set_hash_seeds
 from .teacher import BertTeacher, pool
 from .trainer import Trainer
 
@@ -291,17 +291,12 @@ def run(args: argparse.Namespace) -> int:
             batch["t_short"] = teacher.embed(batch["short_ids"], batch["short_mask"])
         return batch
 
-    def export() -> None:
-        if session.dist.is_main:
-            set_hash_seeds(student, student.config.hash_seed)
-            save_pretrained(student, session.run.path / "model", dtype=torch.float16 if args.save_fp16 else None)
-
     options = train_options(args)
     options.batch_size = 1  # one slot per micro-batch; --batch-size documents are drawn inside it
     slots = max(1, sum(len(d) for d in corpus.by_source.values()) // args.batch_size)
     trainer = Trainer(module, StepSlots(slots), collate, prepare, options=options, run=session.run,
                       dist_=session.dist, device=session.device)
-    trainer.on_save = export
+    trainer.on_save = lambda: export_student(student, session, fp16=args.save_fp16)
     if args.resume:
         trainer.resume()
     session.say(f"longdoc: {len(corpus.keys)} documents from {len(weights)} sources ({', '.join(sources)}), "

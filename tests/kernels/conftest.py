@@ -97,3 +97,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """The built C++ extension; a build failure fails the test (the project must build it)."""
+    from yoso_serve.kernels import _build
+
+    module = _build.cpu_extension()
+    if module is None:
+        pytest.fail(f"the C++ extension must build in this project: {_build.backend_info()['reason']}")
+    return module

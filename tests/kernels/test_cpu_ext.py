@@ -20,14 +20,6 @@ from yoso_serve.kernels.hashing import _projection
 from yoso_serve.kernels.yoso import lsh_cumulate, lsh_weighted_cumulate
 
 
-@pytest.fixture(scope="module")
-def ext():
-    module = _build.cpu_extension()
-    if module is None:
-        pytest.fail(f"the C++ extension must build in this project: {_build.backend_info()['reason']}")
-    return module
-
-
 def random_codes(gen, bh, m, n, hash_bits, mask_frac):
     """(BH, m, N) int32 codes in [0, 2^τ); a fraction of tokens masked (-1 in every hash)."""
     codes = torch.randint(0, 1 << hash_bits, (bh, m, n), generator=gen, dtype=torch.int32)

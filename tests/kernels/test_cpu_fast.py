@@ -21,17 +21,9 @@ import sys
 import pytest
 import torch
 
-from yoso_serve.kernels import _build, yoso_attention
+from yoso_serve.kernels import yoso_attention
 from yoso_serve.kernels.exact import ARCCOS_MAX_ERROR, MIN_SINE
 from yoso_serve.kernels.hashing import _projection
-
-
-@pytest.fixture(scope="module")
-def ext():
-    module = _build.cpu_extension()
-    if module is None:
-        pytest.fail(f"the C++ extension must build in this project: {_build.backend_info()['reason']}")
-    return module
 
 
 def masked_codes(ext, x, proj, m, bits, keep):
