@@ -26,7 +26,7 @@ AUTO = "auto"
 
 # Inputs with fewer tokens (specials included) than this run exact YOSO-E under "auto". Measured by
 # bench/crossover.py on the bundled default model, CPU (docs/benchmarks.md#exact-vs-lsh-crossover).
-AUTO_EXACT_BELOW = 160
+AUTO_EXACT_BELOW = 288
 
 Hashes = Union[int, Literal["auto"]]
 Source = Literal["call", "request", "setting"]
