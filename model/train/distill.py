@@ -256,11 +256,17 @@ def run(args: argparse.Namespace) -> int:
     options = dataclasses.replace(train_options(args), lr_scales=(("attention.self.conv.weight", args.conv_lr_scale),))
     trainer = Trainer(module, TokenizedDataset(ids), lambda items: pad_batch(items, tok.pad_id), prepare,
                       options=options, run=session.run, dist_=session.dist, device=session.device)
+    return fit_student(trainer, student, session, args, "distill", lambda: f"{len(ids)} texts, {trainer.total_steps} "
+                       f"steps, hashes {train_hashes}, world size {session.dist.world_size}")
+
+
+def fit_student(trainer: Trainer, student: EncoderModel, session: Session, args: argparse.Namespace,
+                command: str, summary) -> int:
+    """Resume if asked, say ``summary()``, train, exporting the student to ``model/`` at every checkpoint."""
     trainer.on_save = lambda: export_student(student, session, fp16=args.save_fp16)
     if args.resume:
         trainer.resume()
-    session.say(f"distill: {len(ids)} texts, {trainer.total_steps} steps, hashes {train_hashes}, "
-                f"world size {session.dist.world_size}")
+    session.say(f"{command}: {summary()}")
     stop = trainer.fit()
-    session.say(f"distill: stopped ({stop}) at step {trainer.step}; model in {session.run.path / 'model'}")
+    session.say(f"{command}: stopped ({stop}) at step {trainer.step}; model in {session.run.path / 'model'}")
     return 0

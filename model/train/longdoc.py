@@ -35,7 +35,7 @@ from torch.utils.data import Dataset
 from yoso_serve.model import EncoderModel, load_pretrained
 
 from .common import add_common_arguments, prepare_model, start, train_options
-from .distill import export_student, parse_hashes, set_hash_seeds
+from .distill import fit_student, parse_hashes, set_hash_seeds
 from .teacher import BertTeacher, pool
 from .trainer import Trainer
 
@@ -296,14 +296,9 @@ def run(args: argparse.Namespace) -> int:
     slots = max(1, sum(len(d) for d in corpus.by_source.values()) // args.batch_size)
     trainer = Trainer(module, StepSlots(slots), collate, prepare, options=options, run=session.run,
                       dist_=session.dist, device=session.device)
-    trainer.on_save = lambda: export_student(student, session, fp16=args.save_fp16)
-    if args.resume:
-        trainer.resume()
-    session.say(f"longdoc: {len(corpus.keys)} documents from {len(weights)} sources ({', '.join(sources)}), "
-                f"{len(corpus.pairs)} short pairs, {trainer.total_steps} steps, curriculum {stages}")
-    stop = trainer.fit()
-    session.say(f"longdoc: stopped ({stop}) at step {trainer.step}; model in {session.run.path / 'model'}")
-    return 0
+    return fit_student(trainer, student, session, args, "longdoc", lambda: (
+        f"{len(corpus.keys)} documents from {len(weights)} sources ({', '.join(sources)}), "
+        f"{len(corpus.pairs)} short pairs, {trainer.total_steps} steps, curriculum {stages}"))
 
 
 def hash_key(key: str) -> int:
