@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from yoso_serve.model import EncoderModel
 from yoso_serve.model.hashes import AUTO_EXACT_BELOW, resolve_hashes
 
+from .longdoc import pad
 from .teacher import BertTeacher
 
 QUERY_WORDS = 20  # a query paragraph has at least this many words
@@ -94,12 +95,7 @@ def batched(embed_ids: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], seq
         while e < len(order) and (e - s + 1) * len(seqs[order[e]]) <= token_budget:
             e += 1
         chunk = order[s:e]
-        n = len(seqs[chunk[-1]])
-        ids = torch.full((len(chunk), n), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), n), dtype=torch.long)
-        for r, i in enumerate(chunk):
-            ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
-            mask[r, :len(seqs[i])] = 1
+        ids, mask = pad([seqs[i] for i in chunk], pad_id)
         for i, v in zip(chunk, embed_ids(ids.to(device), mask.to(device)).float().cpu()):
             out[i] = v
         bar.update(len(chunk))
