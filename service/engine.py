@@ -142,7 +142,8 @@ class Engine:
                                     runtime=self.runtime, policy=str(s.hashes), auto_exact_below=self.exact_below)
         self.scheduler = BatchScheduler(
             self._forward, max_batch_tokens=s.max_batch_tokens, max_batch_requests=s.max_batch_requests,
-            max_wait_ms=s.max_wait_ms, max_queue_tokens=s.max_queue_tokens, metrics=self.metrics)
+            max_wait_ms=s.max_wait_ms, max_queue_tokens=s.max_queue_tokens, metrics=self.metrics,
+            max_padding_tokens=s.padding_limit(self.device))
         self.scheduler.start()
 
     def begin_drain(self) -> None:
@@ -300,7 +301,8 @@ class Engine:
             "runtime_reason": self.runtime_reason,
             "limits": {k: getattr(s, k) for k in (
                 "max_batch_tokens", "max_batch_requests", "max_wait_ms", "max_queue_tokens",
-                "max_client_batch_size", "payload_limit", "request_timeout", "chunk_overlap")},
+                "max_client_batch_size", "payload_limit", "request_timeout", "chunk_overlap")}
+            | {"max_padding_tokens": s.padding_limit(self.device)},
         }
 
     # --- internals --------------------------------------------------------------------

@@ -86,10 +86,11 @@ class BatchScheduler:
 
     def __init__(self, run_batch: Callable[[list[WorkItem]], list], *, max_batch_tokens: int,
                  max_batch_requests: int, max_wait_ms: float, max_queue_tokens: int,
-                 metrics: ServiceMetrics) -> None:
+                 metrics: ServiceMetrics, max_padding_tokens: int | None = None) -> None:
         self._run_batch = run_batch
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
+        self.max_padding_tokens = max_padding_tokens
         self.max_wait = max_wait_ms / 1000.0
         self.metrics = metrics
         self.admission = AdmissionPolicy(max_queue_tokens=max_queue_tokens)
@@ -217,7 +218,8 @@ class BatchScheduler:
                     self._cond.wait()
                     continue
                 plan = plan_batch(self._queue, max_batch_tokens=self.max_batch_tokens,
-                                  max_batch_requests=self.max_batch_requests)
+                                  max_batch_requests=self.max_batch_requests,
+                                  max_padding_tokens=self.max_padding_tokens)
                 wait_left = self._queue[0].enqueued + self.max_wait - now
                 if not plan.full and wait_left > 0 and not self._stop:
                     self._cond.wait(wait_left)

@@ -15,6 +15,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from yoso_serve.model.hashes import AUTO, AUTO_EXACT_BELOW, resolve_hashes
 
+# Defaults of --max-padding-tokens (see ServeSettings.padding_limit).
+CPU_PADDING_TOKENS = 64
+CUDA_PADDING_TOKENS = 2048
+
 
 class ServeSettings(BaseSettings):
     """Everything an operator can set. Field descriptions double as ``--help`` text and docs."""
@@ -41,6 +45,10 @@ class ServeSettings(BaseSettings):
     max_batch_tokens: int = Field(16384, ge=1, description="Token budget of one batch, counted "
                                   "padded (batch size x longest input).")
     max_batch_requests: int = Field(64, ge=1, description="Most inputs in one batch.")
+    max_padding_tokens: int | None = Field(None, ge=0, description="Most padding tokens one input may "
+                                           "add to a batch (a forward's fixed cost, counted in tokens); "
+                                           "an input that would add more waits for a batch nearer its "
+                                           "length. Default: 64 on CPU (measured), 2048 on CUDA.")
     max_wait_ms: float = Field(2.0, ge=0, description="How long the batcher waits for a fuller "
                                "batch once the oldest item is queued.")
     max_queue_tokens: int = Field(262144, ge=1, description="Queued tokens above which new "
@@ -105,6 +113,14 @@ class ServeSettings(BaseSettings):
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def padding_limit(self, device: str) -> int:
+        """``max_padding_tokens`` made concrete for ``device``. On 2 CPU cores a forward's fixed cost
+        is worth about 40-60 tokens (one 8-token input costs what 50 more tokens cost: bench notes in
+        docs/benchmarks.md); on a GPU, where launches dominate short batches, it is far larger."""
+        if self.max_padding_tokens is not None:
+            return self.max_padding_tokens
+        return CUDA_PADDING_TOKENS if device.startswith("cuda") else CPU_PADDING_TOKENS
 
 
 def flag_name(field: str) -> str:

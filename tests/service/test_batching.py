@@ -22,9 +22,9 @@ class Q:
     group: tuple = (32, "embed", None)
 
 
-def plan(lengths_or_items, tokens=100, requests=8):
+def plan(lengths_or_items, tokens=100, requests=8, padding=None):
     queue = [x if isinstance(x, Q) else Q(x) for x in lengths_or_items]
-    return plan_batch(queue, max_batch_tokens=tokens, max_batch_requests=requests)
+    return plan_batch(queue, max_batch_tokens=tokens, max_batch_requests=requests, max_padding_tokens=padding)
 
 
 def test_empty_queue_gives_no_batch():
@@ -57,6 +57,37 @@ def test_request_cap_and_full_flag():
 def test_oversized_head_still_runs_alone():
     p = plan([500, 5], tokens=100)
     assert p.indices == [0] and p.padded_tokens == 500 and p.full
+
+
+def test_padding_limit_keeps_long_documents_apart_and_short_texts_together():
+    docs = [2500, 4000, 1200, 2600, 3900]
+    # no limit: every document rides padded to 4000 (20000 tokens of compute for 14200 real)
+    assert plan(docs, tokens=20000).padded_tokens == 20000
+    # 64 tokens of padding per input: even the 2600 would pad the head's row by 100, so it runs alone
+    p = plan(docs, tokens=20000, padding=64)
+    assert p.indices == [0] and p.padded_tokens == 2500
+    # 2540 pads the head by 40, then 2480 pads itself by 60: both join, 4000 waits
+    p = plan([2500, 4000, 2540, 2480], tokens=20000, padding=64)
+    assert p.indices == [3, 0, 2] and p.padded_tokens == 3 * 2540
+    # short texts of mixed length still share one forward when their padding is small
+    p = plan([100, 120, 90, 128, 110], tokens=10000, padding=64)
+    assert sorted(p.indices) == [0, 1, 2, 3, 4]
+
+
+def test_padding_limit_counts_the_padding_an_item_adds_to_every_row():
+    # head 100; 140 adds 40 to the head's row -> allowed at 40, not at 39
+    assert plan([100, 140], tokens=1000, padding=40).indices == [0, 1]
+    assert plan([100, 140], tokens=1000, padding=39).indices == [0]
+    # a shorter item pads only itself: 60 under a 100 longest adds 40
+    assert plan([100, 60], tokens=1000, padding=40).indices == [1, 0]
+    assert plan([100, 60], tokens=1000, padding=39).indices == [0]
+    # with two rows already at 100, a 120 adds 2 * 20 = 40
+    assert plan([100, 100, 120], tokens=1000, padding=40).indices == [0, 1, 2]
+    assert plan([100, 100, 120], tokens=1000, padding=39).indices == [0, 1]
+    # padding=0 batches equal lengths only
+    assert plan([50, 50, 51, 50], tokens=1000, padding=0).indices == [0, 1, 3]
+    with pytest.raises(ValueError, match="max_padding_tokens"):
+        plan([1], padding=-1)
 
 
 def test_invalid_budget_is_a_value_error():
@@ -115,6 +146,25 @@ def test_scheduler_batches_concurrent_items_and_keeps_order():
 
     assert asyncio.run(main()) == [30, 10, 20]
     assert seen == [[1, 2, 3]]  # one batch, sorted by length; outputs still matched to their items
+
+
+def test_scheduler_keeps_inputs_of_far_apart_lengths_in_separate_batches():
+    seen = []
+
+    def forward(batch):
+        seen.append(sorted(it.length for it in batch))
+        return [it.length for it in batch]
+
+    async def main():
+        s = _scheduler(forward, max_padding_tokens=8)
+        items = _items(asyncio.get_running_loop(), [40, 400, 44, 396])
+        s.submit(items)
+        results = await asyncio.gather(*(it.future for it in items))
+        s.close(5)
+        return results
+
+    assert asyncio.run(main()) == [40, 400, 44, 396]  # nothing accepted is lost
+    assert sorted(seen) == [[40, 44], [396, 400]]
 
 
 def test_failing_input_fails_only_its_own_request():

@@ -184,6 +184,7 @@ def test_info_health_ready_metrics_docs(tiny_dir, serve):
     assert info["max_input_length"] == 64 and info["default_hashes"] == 8 and info["max_hashes"] == 64
     assert info["backend"]["backend"] in ("cpp", "torch") and info["device"] == "cpu" and info["runtime"] == "torch"
     assert info["config"]["hidden_size"] == 32 and info["limits"]["max_batch_tokens"] == 16384
+    assert info["limits"]["max_padding_tokens"] == 64  # the CPU default, resolved for the device
     assert r["/health"].json() == {"status": "ok"} and r["/ready"].json() == {"status": "ready"}
     text = r["/metrics"].text
     for name in ("yoso_requests_total", "yoso_request_duration_seconds_bucket", "yoso_queue_items",

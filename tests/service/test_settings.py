@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from pydantic import ValidationError
 
 from yoso_serve.service.cli import build_parser, load_settings
 from yoso_serve.service.settings import ServeSettings
@@ -69,3 +70,11 @@ def test_readme_configuration_table_lists_every_setting():
     for name in ServeSettings.model_fields:
         row = next((line for line in doc.splitlines() if line.startswith(f"| `--{name.replace('_', '-')}` |")), "")
         assert f"`YOSO_{name.upper()}`" in row, name
+
+
+def test_padding_limit_defaults_by_device_and_obeys_the_flag():
+    assert ServeSettings().padding_limit("cpu") == 64
+    assert ServeSettings().padding_limit("cuda:0") == 2048
+    assert ServeSettings(max_padding_tokens=0).padding_limit("cuda") == 0
+    with pytest.raises(ValidationError, match="max_padding_tokens"):
+        ServeSettings(max_padding_tokens=-1)
