@@ -121,13 +121,10 @@ class YosoSelfAttention(nn.Module):
         q = self.split_heads(self.query(hidden))
         k = self.split_heads(self.key(hidden))
         v = self.split_heads(self.value(hidden))
-        if self.core.uses_hashes:
-            context = self.core(q, k, v, mask, hashes=hashes)  # (B, H, N, d)
-        else:
+        if self.core.uses_hashes:  # YOSO; its core also adds the YOSO-C convolution (one pass on CPU)
+            context = self.core(q, k, v, mask, hashes=hashes, conv=self.conv)  # (B, H, N, d)
+        else:  # config validation keeps YOSO-C (conv_window) to attention_type yoso
             context = self.core(q, k, v, mask)
-        if self.conv is not None:
-            masked_v = v if mask is None else v * mask[:, None, :, None].to(v.dtype)
-            context = context + self.conv(masked_v)
         b, _, n, _ = context.shape
         return context.transpose(1, 2).reshape(b, n, self.heads * self.head_dim)  # (B, N, hidden)
 

@@ -26,6 +26,8 @@
 
 // The fused inference ops and the exact YOSO-E kernels' bindings (yoso_cpu_fused.cpp).
 void register_fused_ops(pybind11::module_& m);
+// The N-YOSO norm and YOSO-C convolution after the op, in place (yoso_cpu_finish.cpp).
+void register_finish_ops(pybind11::module_& m);
 
 // One tensor check for every binding of the extension (yoso_cpu_fused.cpp declares it too).
 void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank) {
@@ -338,6 +340,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(x (BH, N, D) fp32, signs (H, m, 3, P) fp32, hash_bits) -> (BH, m, N) int32",
         py::arg("x"), py::arg("signs"), py::arg("hash_bits"), py::call_guard<py::gil_scoped_release>());
 #endif
-  register_fused_ops(m);  // yoso_cpu_fused.cpp
+  register_fused_ops(m);   // yoso_cpu_fused.cpp
+  register_finish_ops(m);  // yoso_cpu_finish.cpp
   m.def("openmp_max_threads", &openmp_max_threads, "threads the kernels run on (torch's intra-op count)");
 }

@@ -9,16 +9,17 @@ transformers' ``YosoModel``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from yoso_serve.kernels import yoso_attention
+from yoso_serve.kernels.finish import attention_finish
 
 from .base import AttentionCore, register
 
 
 @register
 class YosoAttentionCore(AttentionCore):
-    """yoso_attention(q, k, v) then ℓ2-normalise each head's output row (N-YOSO, eq. 8)."""
+    """yoso_attention(q, k, v), ℓ2-normalise each head's output row (N-YOSO, eq. 8), then add the
+    layer's YOSO-C convolution of the masked values when it has one (one pass: kernels/finish.py)."""
 
     name = "yoso"
     uses_hashes = True
@@ -32,9 +33,10 @@ class YosoAttentionCore(AttentionCore):
         self.exact_backward = "bound"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                *, hashes: int) -> torch.Tensor:
+                *, hashes: int, conv: torch.nn.Conv2d | None = None) -> torch.Tensor:
         context = yoso_attention(q, k, v, key_mask, num_hashes=hashes, hash_bits=self.hash_bits, seed=self.seed,
                                  exact=hashes == 0, fast_hash=self.fast_hash, backend=self.backend,
                                  exact_backward=self.exact_backward)
         # N-YOSO: the cumulation is not divided by its expected count; unit norm per head instead.
-        return F.normalize(context, p=2.0, dim=-1)  # (B, H, N, D)
+        return attention_finish(context, v, None if conv is None else conv.weight, key_mask,
+                                backend=self.backend)  # (B, H, N, D)

@@ -1,0 +1,147 @@
+// What a YOSO layer does to the attention output after the op, for inference, in one pass over it
+// (registered into the module by yoso_cpu.cpp's PYBIND11_MODULE):
+//
+//   attention_finish(out, v, weight, keep, normalize, eps) -> None, out modified in place:
+//     out[b, h, n] = out[b, h, n] / max(|out[b, h, n]|, eps)          (N-YOSO's row norm, if normalize)
+//                  + sum_t weight[h, t] * v[b, h, n + t - W/2] * keep[b, n + t - W/2]   (YOSO-C, if weight)
+//
+// The PyTorch path (F.normalize, then a depthwise Conv2d of the masked values, then an add) makes
+// four passes and three temporaries, and oneDNN's depthwise convolution runs its (W x 1) kernel at a
+// small fraction of the machine's speed: together about a quarter of a layer's self-attention time
+// on 2 CPU cores (docs/benchmarks.md). Here each output row is finished by one thread, taps in
+// increasing t, so results do not depend on the thread count.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+// Defined in yoso_cpu.cpp: device, dtype, rank and contiguity, with messages that name the limit.
+void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank);
+
+namespace {
+
+constexpr int64_t kRowsPerTask = 64;
+
+// Hot loops compiled for AVX2+FMA and the baseline, picked per machine by the loader (as in
+// yoso_cpu_kernels.cpp): the build stays portable and a given machine always runs the same code.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define YOSO_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define YOSO_SIMD_CLONES
+#endif
+
+// One (batch, head)'s rows: out and v rows ldo / ldv floats apart, keep (N) or null, w (W) or null.
+struct Rows {
+  float* out;
+  int64_t ldo;
+  const float* v;
+  int64_t ldv;
+  const uint8_t* keep;
+  const float* w;
+  int64_t window, n, d;
+};
+
+// D is a template argument for the common head sizes (the accumulator then lives in registers)
+// and 0 for any other, read from r.d at run time; both sum taps in increasing t.
+template <int64_t D>
+inline void finish_rows_body(const Rows& r, int64_t i0, int64_t i1, bool normalize, float eps, float* __restrict acc) {
+  const int64_t d = D > 0 ? D : r.d, half = r.window / 2;
+  for (int64_t i = i0; i < i1; ++i) {
+    float* __restrict row = r.out + i * r.ldo;
+    if (normalize) {
+      float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t c = 0; c < d; ++c) sq += row[c] * row[c];
+      const float norm = std::max(std::sqrt(sq), eps);
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) row[c] /= norm;
+    }
+    if (r.w == nullptr) continue;
+    float local[D > 0 ? D : 1];
+    float* __restrict a = D > 0 ? local : acc;
+    for (int64_t c = 0; c < d; ++c) a[c] = 0.f;
+    const int64_t t0 = std::max<int64_t>(0, half - i), t1 = std::min<int64_t>(r.window, r.n - i + half);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j = i + t - half;
+      if (r.keep != nullptr && !r.keep[j]) continue;
+      const float wt = r.w[t];
+      const float* __restrict src = r.v + j * r.ldv;
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) a[c] += wt * src[c];
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) row[c] += a[c];
+  }
+}
+
+YOSO_SIMD_CLONES
+void finish_rows(const Rows& r, int64_t i0, int64_t i1, bool normalize, float eps, float* acc) {
+  switch (r.d) {
+    case 32: finish_rows_body<32>(r, i0, i1, normalize, eps, acc); break;
+    case 64: finish_rows_body<64>(r, i0, i1, normalize, eps, acc); break;
+    default: finish_rows_body<0>(r, i0, i1, normalize, eps, acc); break;
+  }
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be Float, got ", c10::toString(t.scalar_type()));
+  TORCH_CHECK(t.dim() == 4, name, " must have rank 4 (B, H, N, D), got shape ", t.sizes());
+  TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, name, " must have unit stride along D, got strides ", t.strides());
+}
+
+void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::optional<torch::Tensor>& weight,
+                      const c10::optional<torch::Tensor>& keep, bool normalize, double eps) {
+  check_rows(out, "out");
+  check_rows(v, "v");
+  TORCH_CHECK(v.sizes() == out.sizes(), "v must have out's shape (B, H, N, D) ", out.sizes(), ", got ", v.sizes());
+  TORCH_CHECK(eps > 0, "eps must be positive, got ", eps);
+  const int64_t batch = out.size(0), heads = out.size(1), n = out.size(2), d = out.size(3);
+  int64_t window = 0;
+  const float* w = nullptr;
+  if (weight.has_value()) {
+    check_tensor(*weight, "weight", at::kFloat, 2);
+    TORCH_CHECK(weight->size(0) == heads, "weight must be (H, W) with H = ", heads, ", got ", weight->sizes());
+    window = weight->size(1);
+    TORCH_CHECK(window % 2 == 1, "the convolution window must be odd, got ", window);
+    w = weight->data_ptr<float>();
+  }
+  const uint8_t* kp = nullptr;
+  if (keep.has_value()) {
+    check_tensor(*keep, "keep", at::kBool, 2);
+    TORCH_CHECK(keep->size(0) == batch && keep->size(1) == n, "keep must be (B, N) = (", batch, ", ", n, "), got ",
+                keep->sizes());
+    kp = reinterpret_cast<const uint8_t*>(keep->data_ptr<bool>());
+  }
+  if (out.numel() == 0) return;
+  float* o = out.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t os[3] = {out.stride(0), out.stride(1), out.stride(2)};
+  const int64_t vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
+  const int64_t blocks = (n + kRowsPerTask - 1) / kRowsPerTask;
+  const float feps = float(eps);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (kRowsPerTask * d * (window + 2)));
+  at::parallel_for(0, batch * heads * blocks, grain, [&](int64_t first, int64_t last) {
+    std::vector<float> acc(d);
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t bh = task / blocks, b = bh / heads, h = bh % heads, i0 = (task % blocks) * kRowsPerTask;
+      Rows rows{o + b * os[0] + h * os[1], os[2], vp + b * vs[0] + h * vs[1], vs[2], kp ? kp + b * n : nullptr,
+                w ? w + h * window : nullptr, window, n, d};
+      finish_rows(rows, i0, std::min(n, i0 + kRowsPerTask), normalize, feps, acc.data());
+    }
+  });
+}
+
+}  // namespace
+
+void register_finish_ops(pybind11::module_& m) {
+  m.def("attention_finish", &attention_finish,
+        "(out, v (B, H, N, D) fp32 views, weight (H, W) fp32 or None, keep (B, N) bool or None, normalize, eps) "
+        "-> None: out rows l2-normalised (N-YOSO) then the masked values' depthwise convolution added (YOSO-C)",
+        py::arg("out"), py::arg("v"), py::arg("weight"), py::arg("keep"), py::arg("normalize"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>());
+}
