@@ -1,7 +1,10 @@
 """MODEL_CARD.md for the default model, and the rule that decides whether it ships.
 
 The card is built from the run directories alone (config.json, metrics.jsonl,
-results.json), so every number in it is one the pipeline measured. The student is copied
+results.json), so every number in it is one the pipeline measured. Every bundle also carries
+``training.json``, each training stage's record (config, steps, minutes, sessions): a later
+pipeline that starts from a bundled model without its earlier run directories (another machine)
+reports those stages from the starting model's record. The student is copied
 into the bundle only when, on the documentation source kept out of training, its one-pass
 deep retrieval beats the refined model it started from (recall@1); otherwise the card lands
 in the work directory only. The targets (deep recall@1 at least the windowed teacher's + 0.05,
@@ -84,13 +87,34 @@ def _long_table(student: dict | None, converted: dict | None) -> list[str]:
     return lines
 
 
+STAGE_NAMES = ("distill", "refine", "longdoc")
+RECORD = "training.json"
+
+
 def _stage(run: Path) -> tuple[dict, int, float, int]:
-    """(config, optimizer steps, wall-clock minutes, sessions) of one distillation stage."""
+    """(config, optimizer steps, wall-clock minutes, sessions) of one training stage: from its run
+    directory, or else from the record of the model the pipeline started from (work/refine/model)."""
+    if not (run / "config.json").is_file():
+        record = run.parent / "refine" / "model" / RECORD
+        stages = json.loads(record.read_text())["stages"] if record.is_file() else {}
+        if run.name not in stages:
+            raise FileNotFoundError(f"no run directory {run} and no record of stage {run.name!r} in {record}")
+        r = stages[run.name]
+        return r["config"], r["steps"], r["minutes"], r["sessions"]
     config = json.loads((run / "config.json").read_text())
     rows = read_events(run)
     stops = [r for r in rows if r["event"] == "stop"]
     minutes, sessions = training_time(rows)
     return config, (stops[-1]["step"] if stops else 0), minutes, sessions
+
+
+def training_record(work: Path) -> dict:
+    """What ``training.json`` holds: every stage's (config, steps, minutes, sessions)."""
+    stages = {}
+    for name in STAGE_NAMES:
+        config, steps, minutes, sessions = _stage(work / name)
+        stages[name] = {"config": config, "steps": steps, "minutes": round(minutes, 1), "sessions": sessions}
+    return {"stages": stages}
 
 
 def _gradient(config: dict) -> str:
@@ -257,6 +281,7 @@ def bundle(work: Path, target: Path) -> bool:
         shutil.rmtree(target)
     shutil.copytree(final_model(work), target)
     (target / "MODEL_CARD.md").write_text(text, encoding="utf-8")
+    (target / RECORD).write_text(json.dumps(training_record(work), indent=1) + "\n", encoding="utf-8")
     size = sum(p.stat().st_size for p in target.rglob("*") if p.is_file()) / 2**20
     print(f"bundled {target} ({size:.1f} MiB)")
     return True

@@ -6,6 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from yoso_serve.model import load_pretrained
 from yoso_serve.model.train import default_model
 from yoso_serve.model.train.default_model import passages
@@ -102,6 +104,29 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert "deep recall@1 at least the windowed teacher's + 0.05: met" in card
     assert "short recall@1 at least 0.97 × the teacher's: not met" in card  # 0.85 < 0.97 × 0.9
     assert load_pretrained(target).config.hidden_size == 32
+
+
+def test_a_pipeline_started_from_a_bundle_reports_its_earlier_stages_from_the_bundles_record(tiny_yoso, tmp_path):
+    target = tmp_path / "bundled" / "yoso-test"
+    first = _work(tmp_path / "first", tiny_yoso, student_recall=0.75, refined_recall=0.62)
+    assert bundle(first, target)
+    record = json.loads((target / "training.json").read_text())["stages"]
+    assert {k: (v["steps"], v["minutes"], v["sessions"]) for k, v in record.items()} == \
+        {"distill": (40, 30.5, 2), "refine": (12, 5.0, 1), "longdoc": (30, 10.0, 1)}
+    # another machine: only the bundle (as the starting model) and a new long-document run
+    again = _work(tmp_path / "again", tiny_yoso, student_recall=0.8, refined_recall=0.75)
+    for name in ("distill", "refine"):
+        shutil.rmtree(again / name)
+    shutil.copytree(target, again / "refine" / "model")
+    assert bundle(again, tmp_path / "bundled2" / "yoso-test")
+    card = (again / "MODEL_CARD.md").read_text()
+    assert "1. distill (seed 0): the converted teacher trained 40 optimizer steps (batch 16 × 1, lr 0.00015) " \
+           "in 30.5 minutes of wall-clock time over 2 session(s)" in card
+    assert "12 optimizer steps (batch 16 × 1, lr 5e-05, the convolution at 40× that) in 5.0 minutes" in card
+    # without the record, the card says which stage it cannot report instead of inventing it
+    (again / "refine" / "model" / "training.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no record of stage 'distill'"):
+        bundle(again, tmp_path / "bundled3" / "yoso-test")
 
 
 def test_pipeline_waits_for_a_stage_stopped_by_its_time_limit(tmp_path, monkeypatch):
