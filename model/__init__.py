@@ -13,15 +13,12 @@ else:
     from .heads import EncoderModel
     from .tokenizer import TextTokenizer
 
-    YosoForEmbedding = EncoderModel
-
     __all__ = [
         "CheckpointError",
         "EncoderConfig",
         "EncoderModel",
         "TextTokenizer",
         "YosoEncoder",
-        "YosoForEmbedding",
         "convert_bert_to_yoso",
         "default_model_dir",
         "load_pretrained",

@@ -23,7 +23,7 @@ from .errors import ClientGone, InvalidInput, NotReady
 from .metrics import ServiceMetrics
 from .params import ClassifyParams, EmbedParams, HiddenParams, Output, Usage
 from .runtime import LoadedModel
-from .scheduler import BatchScheduler, WorkItem
+from .scheduler import BatchScheduler, OutputKind, WorkItem
 from .settings import ServeSettings
 
 log = logging.getLogger("yoso_serve.service")
@@ -139,7 +139,8 @@ class Engine:
         self.runtime, self.runtime_reason = loaded.runtime, loaded.reason
         self.metrics.set_model_info(model=self.model_name, hashes=self.default_hashes,
                                     backend=str(self.backend.get("backend")), device=self.device,
-                                    runtime=self.runtime, policy=str(s.hashes), auto_exact_below=self.exact_below)
+                                    runtime=self.runtime, max_length=self.max_length, policy=str(s.hashes),
+                                    auto_exact_below=self.exact_below)
         self.scheduler = BatchScheduler(
             self._forward, max_batch_tokens=s.max_batch_tokens, max_batch_requests=s.max_batch_requests,
             max_wait_ms=s.max_wait_ms, max_queue_tokens=s.max_queue_tokens, metrics=self.metrics)
@@ -172,7 +173,7 @@ class Engine:
         pieces = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
         usage = Usage(tokenize_ms=1000 * (time.monotonic() - t0))
         flat = [(i, ids, w) for i, windows in enumerate(pieces) for ids, w in windows]
-        rows = await self._run([ids for _, ids, _ in flat], hashes, "embed", p.pooling, usage, watch, [i for i, *_ in flat])
+        rows = await self._run([ids for _, ids, _ in flat], hashes, OutputKind.EMBED, p.pooling, usage, watch, [i for i, *_ in flat])
         vectors = np.zeros((len(p.texts), rows[0].shape[0]), dtype=np.float32)
         weights = np.zeros(len(p.texts), dtype=np.float32)
         for (i, _, w), row in zip(flat, rows):
@@ -193,7 +194,7 @@ class Engine:
         if p.long_input == "chunk":
             raise InvalidInput("long_input='chunk' is only for pooled embeddings (/embed); use "
                                "'truncate' or 'error' here", param="long_input")
-        return Output(*await self._run_whole_inputs(p, hashes, "hidden", watch))
+        return Output(*await self._run_whole_inputs(p, hashes, OutputKind.HIDDEN, watch))
 
     async def classify(self, p: ClassifyParams, watch: Watch | None = None) -> Output:
         """Per input, ``[(label, score), ...]`` sorted by score, highest first."""
@@ -222,7 +223,7 @@ class Engine:
         usage.inference_ms += labels.usage.inference_ms
         return Output(_ranked(scores, list(p.labels)), usage)
 
-    async def _run_whole_inputs(self, p, hashes: int | str, kind: str, watch: Watch | None) -> tuple[list, Usage]:
+    async def _run_whole_inputs(self, p, hashes: int | str, kind: OutputKind, watch: Watch | None) -> tuple[list, Usage]:
         """Tokenise p.texts (one window each: no chunking) and run them; (rows, usage)."""
         t0 = time.monotonic()
         pieces = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
@@ -238,7 +239,7 @@ class Engine:
         if p.long_input == "chunk":
             raise InvalidInput("long_input='chunk' is not supported with a classification head; "
                                "use 'truncate' or 'error'", param="long_input")
-        rows, usage = await self._run_whole_inputs(p, hashes, "classify", watch)
+        rows, usage = await self._run_whole_inputs(p, hashes, OutputKind.CLASSIFY, watch)
         logits = np.stack(rows)
         if p.raw_scores:
             scores = logits
@@ -359,7 +360,7 @@ class Engine:
                         chunk_windows(len(ids), self.window, self.settings.chunk_overlap)])
         return out
 
-    async def _run(self, seqs: list[list[int]], hashes: int | str, kind: str, pooling: str | None,
+    async def _run(self, seqs: list[list[int]], hashes: int | str, kind: OutputKind, pooling: str | None,
                    usage: Usage, watch: Watch | None, owners: list[int] | None = None) -> list[np.ndarray]:
         """Queue one item per sequence at the count its own length resolves ``hashes`` to (the batcher
         groups by it), wait for all (or the client leaving), fill ``usage``. ``owners``: each sequence's input."""
@@ -400,14 +401,14 @@ class Engine:
             mask[row, : it.length] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         with torch.inference_mode():
-            if first.kind == "embed":
+            if first.kind is OutputKind.EMBED:
                 out = self.model.embed(ids, mask, hashes=first.hashes, pooling=first.pooling)
-            elif first.kind == "hidden":
+            elif first.kind is OutputKind.HIDDEN:
                 out = self.model.last_hidden(ids, mask, hashes=first.hashes)
             else:
                 out = self.model.classify(ids, mask, hashes=first.hashes)
         out = out.float().cpu().numpy()
-        if first.kind == "hidden":
+        if first.kind is OutputKind.HIDDEN:
             return [out[row, : it.length] for row, it in enumerate(batch)]
         return list(out)
 
