@@ -10,7 +10,7 @@ else:
     from .convert import convert_bert_to_yoso
     from .default import default_model_dir
     from .encoder import YosoEncoder
-    from .heads import EncoderModel
+    from .encoder_model import EncoderModel
     from .tokenizer import TextTokenizer
 
     __all__ = [

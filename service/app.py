@@ -33,7 +33,7 @@ VERSION = importlib.metadata.version("yoso-serve")
 
 def _default_loader(settings: ServeSettings) -> tuple[Callable, str]:
     """Load from --model, or the bundled default model, for the runtime --runtime resolves to."""
-    from .runtime import load_served_model
+    from .loading import load_served_model
 
     def load():
         return load_served_model(settings)

@@ -22,17 +22,12 @@ from .admission import SPEED_PROBE, request_budget
 from .errors import ClientGone, InvalidInput, NotReady
 from .metrics import ServiceMetrics
 from .params import ClassifyParams, EmbedParams, HiddenParams, Output, Usage
-from .runtime import LoadedModel
+from .loading import LoadedModel, ServedModel
 from .scheduler import BatchScheduler, OutputKind, WorkItem
 from .settings import ServeSettings
+from .zero_shot import ranked, softmax, zero_shot_classify
 
 log = logging.getLogger("yoso_serve.service")
-
-# Zero-shot classification: cosine similarities are scaled by 1/0.05 before the softmax (the
-# temperature contrastive sentence encoders are trained with), and for multi-label each label is
-# sigmoid(20 * (cos - 0.3)): a cosine of 0.3 (typical "related" for MiniLM-style encoders) scores 0.5.
-ZERO_SHOT_SCALE = 20.0
-ZERO_SHOT_THRESHOLD = 0.3
 
 WARMUP_TEXT = "warm-up"
 
@@ -60,20 +55,27 @@ def chunk_windows(n_tokens: int, window: int, overlap: int) -> list[tuple[int, i
 
 class Engine:
     """Serves one model. ``load_model()`` (called on a worker thread at start) returns a
-    :class:`LoadedModel` (the model with its runtime, see runtime.py) or a bare ``EncoderModel``
-    (see yoso_serve.model); ``settings`` sets every limit."""
+    :class:`LoadedModel` (the model with its runtime, see loading.py) or a bare :class:`ServedModel`
+    (an ``EncoderModel``, say: tests, embedders); ``settings`` sets every limit. What depends on the
+    model is None until it is loaded."""
 
     def __init__(self, settings: ServeSettings, metrics: ServiceMetrics,
-                 load_model: Callable[[], object], *, model_name: str) -> None:
+                 load_model: Callable[[], LoadedModel | ServedModel], *, model_name: str) -> None:
         self.settings = settings
         self.metrics = metrics
         self.model_name = model_name
         self._load_model = load_model
-        self.model = None
+        self.model: ServedModel | None = None
         self.state = "loading"  # loading → ready → draining; or failed
         self.failure: str | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="yoso-tokenize")
         self.scheduler: BatchScheduler | None = None
+        self.device: str | None = None
+        self.max_length: int | None = None  # tokens per input, specials included
+        self.window: int | None = None  # content tokens per chunked window
+        self.fixed_hashes: int | None = None  # the one count an exported graph runs
+        self.default_hashes: int | None = None  # the count at and above auto's crossover
+        self.exact_below: int | None = None  # auto's crossover, in tokens
         self.backend: dict = {}
         self.runtime: str = settings.runtime  # the resolved one once loaded ("auto" means not yet)
         self.runtime_reason: str | None = None
@@ -105,15 +107,13 @@ class Engine:
                  self.default_hashes, self.runtime, self.backend.get("backend"))
 
     def _load(self) -> None:
-        from yoso_serve.kernels import backend_info
-
         s = self.settings
         if s.threads is not None:
             torch.set_num_threads(s.threads)
         self.device = s.resolved_device()
         loaded = self._load_model()
         if not isinstance(loaded, LoadedModel):  # a loader that hands over a bare model (tests, embedders)
-            loaded = LoadedModel(loaded, getattr(loaded, "runtime", "torch"), "the model the loader returned")
+            loaded = LoadedModel(loaded, loaded.runtime, "the model the loader returned")
         model = loaded.model
         cfg = model.config
         if model.tokenizer is None:
@@ -129,13 +129,12 @@ class Engine:
         if s.chunk_overlap >= self.window:
             raise ValueError(f"--chunk-overlap {s.chunk_overlap} must be below the window of "
                              f"{self.window} tokens; lower it")
-        self.fixed_hashes = getattr(model, "fixed_hashes", None)  # an ONNX graph is exported for one count
+        self.fixed_hashes = model.fixed_hashes
         self.default_hashes = resolve_hashes(cfg, s.hashes, source="setting", max_hashes=s.max_hashes,
                                              fixed=self.fixed_hashes, n_tokens=self.max_length)
         self.exact_below = auto_crossover(s.auto_exact_below, loaded.runtime)
         self.model = model.to(self.device).eval()
-        # an ONNX or hybrid model reports its own runtime (onnxruntime, providers) besides the torch kernels'
-        self.backend = model.backend_info() if hasattr(model, "backend_info") else backend_info()
+        self.backend = model.backend_info()
         self.runtime, self.runtime_reason = loaded.runtime, loaded.reason
         self.metrics.set_model_info(model=self.model_name, hashes=self.default_hashes,
                                     backend=str(self.backend.get("backend")), device=self.device,
@@ -201,27 +200,8 @@ class Engine:
         self._check_open()
         if p.labels is None:
             return await self._classify_head(p, watch)
-        if not p.labels or any(not label.strip() for label in p.labels) or len(set(p.labels)) != len(p.labels):
-            raise InvalidInput("labels must be a non-empty list of distinct, non-blank strings",
-                               param="labels")
-        if len(p.labels) > self.settings.max_client_batch_size:
-            raise InvalidInput(f"{len(p.labels)} labels is above max_client_batch_size "
-                               f"{self.settings.max_client_batch_size}", param="labels")
-        self._check_texts(p.texts)
-        texts = await self.embed(EmbedParams(p.texts, truncation_direction=p.truncation_direction,
-                                             hashes=p.hashes, long_input=p.long_input), watch)
-        labels = await self.embed(EmbedParams(list(p.labels), hashes=p.hashes), watch)
-        sims = texts.value @ labels.value.T  # (n_texts, n_labels) cosines: both sides normalised
-        if p.raw_scores:
-            scores = sims
-        elif p.multi_label:
-            scores = 1.0 / (1.0 + np.exp(-ZERO_SHOT_SCALE * (sims - ZERO_SHOT_THRESHOLD)))
-        else:
-            scores = _softmax(ZERO_SHOT_SCALE * sims)
-        usage = texts.usage
-        usage.tokens += labels.usage.tokens
-        usage.inference_ms += labels.usage.inference_ms
-        return Output(_ranked(scores, list(p.labels)), usage)
+        return await zero_shot_classify(p, watch, embed=self.embed, check_texts=self._check_texts,
+                                        max_labels=self.settings.max_client_batch_size)
 
     async def _run_whole_inputs(self, p, hashes: int | str, kind: OutputKind, watch: Watch | None) -> tuple[list, Usage]:
         """Tokenise p.texts (one window each: no chunking) and run them; (rows, usage)."""
@@ -246,9 +226,9 @@ class Engine:
         elif p.multi_label:
             scores = 1.0 / (1.0 + np.exp(-logits))
         else:
-            scores = _softmax(logits)
+            scores = softmax(logits)
         id2label = self.model.id2label
-        return Output(_ranked(scores, [id2label.get(i, str(i)) for i in range(logits.shape[1])]), usage)
+        return Output(ranked(scores, [id2label.get(i, str(i)) for i in range(logits.shape[1])]), usage)
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[dict]]:
         """Per input, its tokens: ``{id, text, start, stop, special}`` (offsets in characters)."""
@@ -288,15 +268,15 @@ class Engine:
                 k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                              "max_position_embeddings", "num_hash", "hash_code_len",
                                              "use_expectation", "pooling", "attention_type")},
-            "max_input_length": getattr(self, "max_length", None),
+            "max_input_length": self.max_length,
             "hashes": s.hashes,
-            "default_hashes": getattr(self, "default_hashes", None),
-            "auto_exact_below": getattr(self, "exact_below", None),
+            "default_hashes": self.default_hashes,
+            "auto_exact_below": self.exact_below,
             "max_hashes": s.max_hashes,
             "has_classifier": None if cfg is None else self.model.has_classifier,
             "labels": None if cfg is None else list(self.model.id2label.values()),
             "backend": self.backend,
-            "device": getattr(self, "device", None),
+            "device": self.device,
             "runtime": self.runtime,
             "runtime_reason": self.runtime_reason,
             "limits": {k: getattr(s, k) for k in (
@@ -412,11 +392,3 @@ class Engine:
             return [out[row, : it.length] for row, it in enumerate(batch)]
         return list(out)
 
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
-
-
-def _ranked(scores: np.ndarray, labels: list[str]) -> list[list[tuple[str, float]]]:
-    return [sorted(zip(labels, map(float, row)), key=lambda p: -p[1]) for row in scores]
