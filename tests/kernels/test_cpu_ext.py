@@ -17,7 +17,7 @@ import torch
 
 from yoso_serve.kernels import _build, hash_codes, yoso_attention
 from yoso_serve.kernels.hashing import _projection
-from yoso_serve.kernels.yoso import lsh_cumulate, lsh_weighted_cumulate
+from yoso_serve.kernels.cumulate import lsh_cumulate, lsh_weighted_cumulate
 
 
 def random_codes(gen, bh, m, n, hash_bits, mask_frac):

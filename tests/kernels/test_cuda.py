@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from yoso_serve.kernels import _build, hash_codes, hash_codes_ref, hashing, yoso_attention, yoso_attention_ref
-from yoso_serve.kernels.yoso import lsh_cumulate, lsh_weighted_cumulate
+from yoso_serve.kernels.cumulate import lsh_cumulate, lsh_weighted_cumulate
 
 pytestmark = [
     pytest.mark.cuda,

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from yoso_serve.kernels import _build, hash_codes, yoso_attention, yoso_attention_ref
+from yoso_serve.kernels import cumulate as cumulate_module
 from yoso_serve.kernels import exact as exact_module
-from yoso_serve.kernels import yoso as yoso_module
-from yoso_serve.kernels.yoso import lsh_cumulate, lsh_weighted_cumulate
+from yoso_serve.kernels.cumulate import lsh_cumulate, lsh_weighted_cumulate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,7 +55,7 @@ def test_cumulations_do_not_depend_on_chunking(monkeypatch):
     gen = torch.Generator().manual_seed(9)
     q_w, k_w, v = (torch.randn(6, 33, 4, generator=gen) for _ in range(3))
     whole = lsh_cumulate(q_codes, k_codes, v, 8), lsh_weighted_cumulate(q_codes, k_codes, q_w, k_w, v, 8)
-    monkeypatch.setattr(yoso_module, "_CHUNK_BUDGET", 1)  # one (batch·head) row per chunk
+    monkeypatch.setattr(cumulate_module, "_CHUNK_BUDGET", 1)  # one (batch·head) row per chunk
     assert torch.equal(lsh_cumulate(q_codes, k_codes, v, 8), whole[0])
     assert torch.equal(lsh_weighted_cumulate(q_codes, k_codes, q_w, k_w, v, 8), whole[1])
 
