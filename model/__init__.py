@@ -1,7 +1,7 @@
 """The YOSO encoder, its checkpoints and conversion (import as ``yoso_serve.model``)."""
 
 if __name__ != "yoso_serve.model":  # a checkout on sys.path, imported as top-level `model`
-    from yoso_serve.kernels._checkout import step_aside
+    from _yoso_serve_checkout import step_aside
 
     step_aside(__name__, __file__)
 else:
