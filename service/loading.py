@@ -23,7 +23,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from yoso_serve.model.hashes import AUTO, resolve_hashes
 
@@ -45,6 +45,7 @@ AUTO_REASONS = {
 }
 
 
+@runtime_checkable
 class ServedModel(Protocol):
     """What the engine serves: ``EncoderModel`` (torch), ``OnnxEncoderModel`` and ``HybridEncoderModel``.
 
