@@ -198,6 +198,8 @@ def test_info_health_ready_metrics_docs(tiny_dir, serve):
     # the input-length buckets stop at the model's input limit (64), not at a fixed 4096
     buckets = re.findall(r'yoso_input_length_tokens_bucket\{le="([^"]+)"\}', text)
     assert buckets[-2:] == ["64.0", "+Inf"] and "128.0" not in buckets
+    # and a batch's padded tokens never pass --max-batch-tokens
+    assert re.findall(r'yoso_batch_tokens_bucket\{le="([^"]+)"\}', text)[-2:] == ["16384.0", "+Inf"]
     # the version is the installed distribution's, wherever it is shown
     version = importlib.metadata.version("yoso-serve")
     assert info["version"] == version and r["/openapi.json"].json()["info"]["version"] == version
