@@ -43,7 +43,7 @@ from tqdm import tqdm
 from yoso_serve.kernels import backend_info, yoso_attention
 from yoso_serve.kernels.hashing import _projection
 from yoso_serve.kernels.yoso import _kernels
-from yoso_serve.kernels.yoso import lsh_cumulate as torch_lsh_cumulate
+from yoso_serve.kernels.cumulate import lsh_cumulate as torch_lsh_cumulate
 
 ROOT = Path(__file__).resolve().parent.parent
 

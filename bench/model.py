@@ -39,7 +39,7 @@ MODES = {"softmax": None, "YOSO-32": 32, "YOSO-E (exact)": 0}
 def models(path: Path):
     """(YOSO model, softmax model with the same weights)."""
     from yoso_serve.model import load_pretrained
-    from yoso_serve.model.heads import EncoderModel
+    from yoso_serve.model.encoder_model import EncoderModel
 
     yoso = load_pretrained(path)
     config = dataclasses.replace(yoso.config, attention_type="softmax", conv_window=None)

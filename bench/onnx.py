@@ -120,7 +120,7 @@ def verdict(rows: list[dict]) -> str:
 
 
 def default_runtime_note(rows: list[dict]) -> str:
-    """The paragraph tying the service's default runtime (service/runtime.py) to these numbers."""
+    """The paragraph tying the service's default runtime (service/loading.py) to these numbers."""
     lengths = sorted({r["n"] for r in rows})
     by = {(r["runtime"], r["n"]): r for r in rows}
     ratios = [by[("torch", n)]["batch_s"] / by[("onnxruntime", n)]["batch_s"] for n in lengths]

@@ -1,7 +1,7 @@
 """YOSO attention operators (import as ``yoso_serve.kernels``)."""
 
 if __name__ != "yoso_serve.kernels":  # a checkout on sys.path, imported as top-level `kernels`
-    from ._checkout import step_aside
+    from _yoso_serve_checkout import step_aside
 
     step_aside(__name__, __file__)
 else:

@@ -1,7 +1,7 @@
 """The YOSO encoder, its checkpoints and conversion (import as ``yoso_serve.model``)."""
 
 if __name__ != "yoso_serve.model":  # a checkout on sys.path, imported as top-level `model`
-    from yoso_serve.kernels._checkout import step_aside
+    from _yoso_serve_checkout import step_aside
 
     step_aside(__name__, __file__)
 else:
@@ -10,10 +10,8 @@ else:
     from .convert import convert_bert_to_yoso
     from .default import default_model_dir
     from .encoder import YosoEncoder
-    from .heads import EncoderModel
+    from .encoder_model import EncoderModel
     from .tokenizer import TextTokenizer
-
-    YosoForEmbedding = EncoderModel
 
     __all__ = [
         "CheckpointError",
@@ -21,7 +19,6 @@ else:
         "EncoderModel",
         "TextTokenizer",
         "YosoEncoder",
-        "YosoForEmbedding",
         "convert_bert_to_yoso",
         "default_model_dir",
         "load_pretrained",

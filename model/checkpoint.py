@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import EncoderConfig
-from .heads import EncoderModel
+from .encoder_model import EncoderModel
 from .tokenizer import TOKENIZER_FILES, TextTokenizer
 
 WEIGHTS_SAFETENSORS = "model.safetensors"

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from .checkpoint import BERT_FAMILY, CheckpointError, copy_weights, read_state_dict, save_pretrained
 from .config import EncoderConfig
 from .encoder import POSITION_OFFSET
-from .heads import EncoderModel
+from .encoder_model import EncoderModel
 from .tokenizer import SIDE_FILES, TextTokenizer
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ The attention is rewritten with standard operators so that any ONNX runtime can 
 * exact mode (YOSO-E) — ``MatMul``, ``Acos``, ``Pow``: the dense expectation, O(N²) memory.
 
 The hash count is fixed at export time (written to config.json's ``onnx`` section) because it sets
-the graph's shapes and initializers. The out directory holds ``model.onnx``, ``config.json`` and the
+the graph's shapes and initializers; its command line, ``yoso-train export-onnx``, is model/train/export_onnx.py. The out directory holds ``model.onnx``, ``config.json`` and the
 tokenizer files: :class:`yoso_serve.model.onnx_runtime.OnnxEncoderModel` serves it.
 The graph is torch's TorchScript exporter's, which needs the ``onnx`` package to write the file;
 ``onnxruntime`` is only needed to run the result.
@@ -19,10 +19,8 @@ The graph is torch's TorchScript exporter's, which needs the ``onnx`` package to
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import warnings
 from pathlib import Path
 
@@ -35,7 +33,7 @@ from yoso_serve.kernels.hashing import _projection
 from .checkpoint import load_pretrained
 from .encoder import YosoSelfAttention
 from .hashes import resolve_hashes
-from .heads import EncoderModel
+from .encoder_model import EncoderModel
 
 ONNX_FILE = "model.onnx"
 DEFAULT_OPSET = 17  # ScatterND's add reduction needs ≥ 16; 17 adds LayerNormalization
@@ -257,38 +255,3 @@ def _write_config(model: EncoderModel, out_dir: Path, hashes: int, opset: int, o
         "torch_version": torch.__version__,
     }
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``export-onnx`` flags (the ``yoso-train`` subcommand protocol: add_arguments + run)."""
-    parser.add_argument("--model", required=True, type=Path, help="checkpoint directory (config.json + weights)")
-    parser.add_argument("--out", required=True, type=Path, help="output directory (model.onnx, config.json, tokenizer)")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--hashes", type=int, default=None,
-                      help="hash count fixed in the graph (default: the model's default_hashes)")
-    mode.add_argument("--exact", action="store_true", help="export exact YOSO-E (same as --hashes 0)")
-    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (>= 16, default {DEFAULT_OPSET})")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run a parsed ``export-onnx`` command; a bad checkpoint or flag exits 2 with its message."""
-    try:
-        out = export_onnx(args.model, args.out, hashes=0 if args.exact else args.hashes, opset=args.opset)
-    except ValueError as exc:  # CheckpointError included
-        print(f"export-onnx: error: {exc}", file=sys.stderr)
-        return 2
-    onnx = json.loads((out / "config.json").read_text(encoding="utf-8"))["onnx"]
-    print(f"wrote {out / ONNX_FILE} (hashes {onnx['hashes']}, opset {onnx['opset']})")
-    return 0
-
-
-def main_export_onnx(argv: list[str] | None = None) -> int:
-    """``yoso-train export-onnx --model DIR --out DIR [--hashes m | --exact] [--opset N]``."""
-    parser = argparse.ArgumentParser(prog="yoso-train export-onnx",
-                                     description="Export a YOSO checkpoint directory to ONNX.")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main_export_onnx())

@@ -1,4 +1,4 @@
-"""Task heads and the loaded-model object: pooling, classification and masked-LM on a YOSO encoder.
+"""Task heads on a YOSO encoder: sequence classification and masked-LM (used by :mod:`.encoder_model`).
 
 State-dict layout is transformers': the encoder under ``yoso.``, the sequence classifier under
 ``classifier.`` (``dense``, ``out_proj``) and the masked-LM head under ``cls.predictions.``
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import POOLINGS, EncoderConfig
-from .encoder import YosoEncoder, activation
+from .config import EncoderConfig
+from .encoder import activation
 
 
 class ClassificationHead(nn.Module):
@@ -66,89 +66,3 @@ class MaskedLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
         return self.predictions(hidden, word_embeddings)
-
-
-class EncoderModel(nn.Module):
-    """A YOSO encoder with optional heads, plus its tokenizer: what ``load_pretrained`` returns.
-
-    ``with_classifier`` builds a sequence-classification head with ``config.num_labels`` outputs;
-    ``with_mlm`` a masked-LM head. The tokenizer is a plain attribute (not a module).
-    """
-
-    def __init__(self, config: EncoderConfig, *, with_classifier: bool = False, with_mlm: bool = False,
-                 tokenizer=None):
-        super().__init__()
-        self.config = config
-        self.tokenizer = tokenizer
-        self.yoso = YosoEncoder(config)
-        if with_classifier and not config.num_labels:
-            raise ValueError("a classification head needs config.id2label (num_labels >= 1)")
-        self.classifier = ClassificationHead(config, config.num_labels) if with_classifier else None
-        self.cls = MaskedLMHead(config) if with_mlm else None
-        if self.classifier is not None:
-            self.classifier.apply(self.yoso._init_weights)
-        if self.cls is not None:
-            self.cls.apply(self.yoso._init_weights)
-
-    @property
-    def encoder(self) -> YosoEncoder:
-        return self.yoso
-
-    @property
-    def has_classifier(self) -> bool:
-        return self.classifier is not None
-
-    @property
-    def has_mlm_head(self) -> bool:
-        return self.cls is not None
-
-    @property
-    def id2label(self) -> dict[int, str]:
-        return dict(self.config.id2label or {})
-
-    @property
-    def architectures(self) -> list[str]:
-        """transformers' class name for config.json's ``architectures``."""
-        if self.has_classifier:
-            return ["YosoForSequenceClassification"]
-        if self.has_mlm_head:
-            return ["YosoForMaskedLM"]
-        return ["YosoModel"]
-
-    def last_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                    hashes: int | None = None, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids (B, N) int64, attention_mask (B, N) 0/1 → (B, N, hidden)."""
-        return self.yoso(input_ids, attention_mask, token_type_ids, hashes=hashes)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                hashes: int | None = None) -> torch.Tensor:
-        return self.last_hidden(input_ids, attention_mask, hashes=hashes)
-
-    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-              hashes: int | None = None, pooling: str | None = None) -> torch.Tensor:
-        """Pooled (not normalised) embeddings (B, hidden): mean over real tokens, or the first token."""
-        pooling = pooling or self.config.pooling
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        hidden = self.last_hidden(input_ids, attention_mask, hashes=hashes)
-        if pooling == "cls":
-            return hidden[:, 0]
-        if attention_mask is None:
-            return hidden.mean(dim=1)
-        weights = attention_mask.to(hidden.dtype)[:, :, None]  # (B, N, 1)
-        return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
-
-    def classify(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 hashes: int | None = None) -> torch.Tensor:
-        """Logits (B, num_labels) of the sequence-classification head."""
-        if self.classifier is None:
-            raise ValueError("this model has no classification head (no classifier.* weights)")
-        return self.classifier(self.last_hidden(input_ids, attention_mask, hashes=hashes))
-
-    def mlm_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                   hashes: int | None = None) -> torch.Tensor:
-        """Masked-LM logits (B, N, vocab_size)."""
-        if self.cls is None:
-            raise ValueError("this model has no masked-LM head (no cls.predictions.* weights)")
-        hidden = self.last_hidden(input_ids, attention_mask, hashes=hashes)
-        return self.cls(hidden, self.yoso.embeddings.word_embeddings.weight)

@@ -4,123 +4,19 @@ An ONNX graph fixes its hash count (model/export.py), while a request may ask fo
 exact). :class:`HybridEncoderModel` holds both: calls at the exported count run on ONNX Runtime,
 any other count on the torch model. The route depends on the hash count alone, so the same request
 always takes the same path. It is opt-in: on the CPU measured in docs/benchmarks.md ("ONNX Runtime
-vs torch") torch is the faster runtime, so the default (auto) serves torch.
-
-The export comes from a cache, ``$YOSO_CACHE_DIR/onnx/<key>/``, keyed by the checkpoint's bytes and
-everything that shapes the graph (:func:`export_key`); :func:`cached_export` writes it once.
+vs torch") torch is the faster runtime, so the default (auto) serves torch. The export it runs comes
+from the cache of model/export_cache.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
-import importlib.util
-import json
-import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from .checkpoint import WEIGHTS_BIN, WEIGHTS_INDEX, WEIGHTS_SAFETENSORS, CheckpointError
-from .default import cache_root
-from .export import DEFAULT_OPSET, ONNX_FILE, export_onnx
+from .encoder_model import EncoderModel
 from .hashes import resolve_hashes
-from .heads import EncoderModel
-from .onnx_runtime import OnnxEncoderModel, OnnxModelError
-
-log = logging.getLogger(__name__)
-
-_READ_CHUNK = 1 << 20
-
-
-def onnx_cache_dir() -> Path:
-    """Where exports are cached: ``$YOSO_CACHE_DIR/onnx`` (see model/default.py for the root)."""
-    return cache_root() / "onnx"
-
-
-def _checkpoint_files(checkpoint: Path) -> list[Path]:
-    """config.json and the weight files ``load_pretrained`` reads (in the order it prefers them)."""
-    if (checkpoint / WEIGHTS_SAFETENSORS).is_file():
-        weights = [checkpoint / WEIGHTS_SAFETENSORS]
-    elif (checkpoint / WEIGHTS_INDEX).is_file():
-        index = json.loads((checkpoint / WEIGHTS_INDEX).read_text(encoding="utf-8"))
-        weights = [checkpoint / WEIGHTS_INDEX] + [checkpoint / s for s in sorted(set(index["weight_map"].values()))]
-    elif (checkpoint / WEIGHTS_BIN).is_file():
-        weights = [checkpoint / WEIGHTS_BIN]
-    else:
-        raise CheckpointError(f"no weights in {checkpoint}")
-    return [checkpoint / "config.json", *weights]
-
-
-def export_key(checkpoint: str | Path, hashes: int, opset: int = DEFAULT_OPSET) -> str:
-    """sha256 over the checkpoint's config.json and weight bytes, the hash count, the opset and the
-    versions of this package and of torch (whose exporter writes the graph); 32 hex digits."""
-    digest = hashlib.sha256()
-    for path in _checkpoint_files(Path(checkpoint)):
-        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
-        with open(path, "rb") as f:
-            while chunk := f.read(_READ_CHUNK):
-                digest.update(chunk)
-    version = importlib.metadata.version("yoso-serve")
-    digest.update(f"hashes={hashes};opset={opset};yoso-serve={version};torch={torch.__version__}".encode())
-    return digest.hexdigest()[:32]
-
-
-def check_serving(hashes: int | None = None) -> None:
-    """What ``--runtime hybrid`` needs at start: onnxruntime and onnx (the exporter writes with it)
-    importable, and a served count (``hashes``, if given) other than exact 0. Raises ValueError
-    saying how to fix each."""
-    try:
-        import onnxruntime  # noqa: F401
-    except ImportError:
-        missing = ["onnxruntime"]
-    else:
-        missing = []
-    if importlib.util.find_spec("onnx") is None:
-        missing.append("onnx")
-    if missing:
-        raise ValueError(f"--runtime hybrid needs {' and '.join(missing)}: pip install 'yoso-serve[onnx]' "
-                         "('yoso-serve[onnx-gpu]' on CUDA), or use --runtime torch (the default, auto, serves torch)")
-    if hashes == 0:
-        raise ValueError("--runtime hybrid with --hashes 0: the exact (YOSO-E) ONNX graph is not chunked "
-                         "(O(N²) memory) and is not served; use --runtime torch, or set --hashes to an LSH count")
-
-
-def _is_export(path: Path) -> bool:
-    return (path / "config.json").is_file() and (path / ONNX_FILE).is_file()
-
-
-def cached_export(model: EncoderModel, checkpoint: str | Path, hashes: int, *, opset: int = DEFAULT_OPSET) -> Path:
-    """The export of ``model`` (loaded from ``checkpoint``) at ``hashes``: reused when cached, else
-    written once. Moves ``model`` to the CPU in float32, as export_onnx does."""
-    target = onnx_cache_dir() / export_key(checkpoint, hashes, opset)
-    if _is_export(target):
-        log.info("ONNX export of %s at %d hashes: reusing %s", checkpoint, hashes, target)
-        return target
-    if importlib.util.find_spec("onnx") is None:  # torch's exporter needs it to write the file
-        raise OnnxModelError("exporting needs the onnx package: pip install 'yoso-serve[onnx]'")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("one-time ONNX export of %s at %d hashes into %s (later starts reuse it; "
-             "`yoso-serve --prepare --runtime hybrid` does this ahead of time)", checkpoint, hashes, target)
-    # Export beside the target and rename: a crash leaves no half export under the key, and of two
-    # processes exporting at once the first rename wins and the other's copy is discarded.
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        # mkdtemp's 0700 would hide the export from other users: an image exports as root at build
-        # time and serves as an unprivileged user from its read-only cache.
-        os.chmod(scratch, 0o755)
-        export_onnx(model, scratch, hashes=hashes, opset=opset)
-        try:
-            os.replace(scratch, target)
-        except OSError:
-            if not _is_export(target):
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
+from .onnx_runtime import OnnxEncoderModel
 
 
 class HybridEncoderModel:
@@ -132,6 +28,7 @@ class HybridEncoderModel:
     """
 
     runtime = "hybrid"
+    fixed_hashes = None  # any count: the ones the export does not run go to torch
 
     def __init__(self, torch_model: EncoderModel, onnx_model: OnnxEncoderModel):
         if onnx_model.config.hidden_size != torch_model.config.hidden_size:

@@ -1,9 +1,10 @@
 """Serve an exported directory (model.onnx + config.json + tokenizer) with ONNX Runtime.
 
-:class:`OnnxEncoderModel` has the duck-typed interface of :class:`~yoso_serve.model.heads.EncoderModel`
-that the service uses — ``.config``, ``.tokenizer``, ``.last_hidden``, ``.embed``, ``.classify``,
-``.has_classifier``, ``.id2label``, ``.to``, ``.eval`` — taking and returning torch tensors, so the
-engine's batching, limits and metrics are the same for both runtimes. The hash count is the one
+:class:`OnnxEncoderModel` has the interface the service serves (``ServedModel`` in service/loading.py,
+which :class:`~yoso_serve.model.encoder_model.EncoderModel` has too) — ``.config``, ``.tokenizer``,
+``.last_hidden``, ``.embed``, ``.classify``, ``.has_classifier``, ``.id2label``, ``.to``, ``.eval``,
+``.backend_info`` — taking and returning torch tensors, so the engine's batching, limits and metrics
+are the same for both runtimes. The hash count is the one
 fixed at export (``fixed_hashes``); a call asking for another raises ValueError naming it.
 ``onnxruntime`` is imported when a model is loaded, never at package import.
 """
@@ -18,7 +19,7 @@ import torch
 
 from .config import POOLINGS, EncoderConfig
 from .export import ONNX_FILE
-from .hashes import AUTO, resolve_hashes
+from .hashes import resolve_hashes
 from .tokenizer import TOKENIZER_FILES, TextTokenizer
 
 DEVICES = ("cpu", "cuda")
@@ -28,7 +29,7 @@ class OnnxModelError(ValueError):
     """An exported directory that cannot be served: missing file, no ``onnx`` section, no provider."""
 
 
-def _import_onnxruntime():
+def import_onnxruntime():
     try:
         import onnxruntime
     except ImportError as exc:
@@ -43,7 +44,7 @@ def providers_for(device: str) -> list[str]:
         raise OnnxModelError(f"device must be one of {DEVICES} for the onnx runtime, got {device!r}")
     if device == "cpu":
         return ["CPUExecutionProvider"]
-    available = _import_onnxruntime().get_available_providers()
+    available = import_onnxruntime().get_available_providers()
     if "CUDAExecutionProvider" not in available:
         raise OnnxModelError(f"device cuda needs CUDAExecutionProvider (package onnxruntime-gpu); this "
                              f"onnxruntime offers {available}")
@@ -59,7 +60,7 @@ def session_options(device: str):
     threads; tests/onnx/test_export.py checks the cumulation under these options). One thread
     keeps every add; the CUDA kernel adds atomically and keeps onnxruntime's default threads.
     """
-    options = _import_onnxruntime().SessionOptions()
+    options = import_onnxruntime().SessionOptions()
     if device == "cpu":
         options.intra_op_num_threads = 1
     return options
@@ -74,24 +75,6 @@ def is_onnx_dir(path: str | Path) -> bool:
         return "onnx" in json.loads(config.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return False
-
-
-def check_serving(path: str | Path | None, hashes: int | str | None = None) -> None:
-    """What ``--runtime onnx`` needs at start: an exported ``path``, onnxruntime, and ``hashes``
-    (if a count, not "auto") equal to the exported count. Raises ValueError saying how to fix each."""
-    if path is None:
-        raise ValueError("--runtime onnx needs --model pointing at a directory written by "
-                         "`yoso-train export-onnx` (docs/onnx.md); the bundled default model is a torch "
-                         "checkpoint: to serve it, use --runtime torch (what auto picks) or --runtime hybrid "
-                         "(ONNX Runtime from an export cached at the first start)")
-    if not is_onnx_dir(path):
-        raise ValueError(f"--model {path} is not an ONNX export (no 'onnx' section in its config.json); "
-                         f"serve it with --runtime torch or hybrid (exported into the cache once), or run "
-                         f"`yoso-train export-onnx --model {path} --out DIR` and serve DIR")
-    _import_onnxruntime()
-    exported = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))["onnx"]["hashes"]
-    if hashes is not None and hashes != AUTO:
-        resolve_hashes(None, hashes, source="setting", fixed=exported)
 
 
 class OnnxEncoderModel:
@@ -142,7 +125,7 @@ class OnnxEncoderModel:
 
     def backend_info(self) -> dict:
         """What /info shows as the backend: onnxruntime, its version, providers and hashes."""
-        ort = _import_onnxruntime()
+        ort = import_onnxruntime()
         return {"backend": "onnxruntime", "version": ort.__version__, "providers": self.providers,
                 "exported_hashes": self.fixed_hashes, "opset": self.onnx_info.get("opset")}
 
@@ -153,7 +136,7 @@ class OnnxEncoderModel:
         device = torch.device(device or "cpu").type
         if device == self.device:
             return self
-        ort = _import_onnxruntime()
+        ort = import_onnxruntime()
         options = session_options(device)
         onnx_file = str(self.path / self.onnx_info.get("file", ONNX_FILE))
         wanted = providers_for(device)

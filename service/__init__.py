@@ -1,7 +1,7 @@
 """The HTTP inference service (import as ``yoso_serve.service``)."""
 
 if __name__ != "yoso_serve.service":  # a checkout on sys.path, imported as top-level `service`
-    from yoso_serve.kernels._checkout import step_aside
+    from _yoso_serve_checkout import step_aside
 
     step_aside(__name__, __file__)
 else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
 from typing import Callable
@@ -16,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .engine import Engine
 from .errors import MalformedRequest, MethodNotAllowed, NotFound, NotReady, ServiceError, InvalidInput
 from .metrics import CONTENT_TYPE, ServiceMetrics
-from .middleware import EdgeMiddleware
+from .middleware import EdgeMiddleware, RouteTable
 from .protocol import (UNION_TAGS, ClassifyRequest, EmbedAllRequest, EmbedRequest, ErrorResponse,
                        OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, ScoredLabel, Token, TokenizeRequest)
 from .responses import ERRORS as _ERRORS, error as _error, json_response as _json, watch as _watch
@@ -26,12 +27,13 @@ from .tei import add_tei_routes
 
 log = logging.getLogger("yoso_serve.service")
 
-VERSION = "0.1.0"
+# the installed distribution's, so /info, OpenAPI and the package never disagree
+VERSION = importlib.metadata.version("yoso-serve")
 
 
 def _default_loader(settings: ServeSettings) -> tuple[Callable, str]:
     """Load from --model, or the bundled default model, for the runtime --runtime resolves to."""
-    from .runtime import load_served_model
+    from .loading import load_served_model
 
     def load():
         return load_served_model(settings)
@@ -51,7 +53,7 @@ def create_app(settings: ServeSettings | None = None, *, load_model: Callable | 
     if load_model is None:
         load_model, default_name = _default_loader(settings)
         model_name = model_name or default_name
-    metrics = ServiceMetrics()
+    metrics = ServiceMetrics(settings.max_batch_tokens)
     engine = Engine(settings, metrics, load_model, model_name=model_name or "model")
 
     @asynccontextmanager
@@ -79,11 +81,12 @@ def create_app(settings: ServeSettings | None = None, *, load_model: Callable | 
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.settings = settings
-    app.add_middleware(EdgeMiddleware, api_key=settings.api_key.get_secret_value() if settings.api_key else None,
-                       payload_limit=settings.payload_limit, metrics=metrics)
     _add_error_handlers(app)
     _add_routes(app, engine, metrics)
     add_tei_routes(app, engine)
+    # after the routes: the edge sorts requests by what the app registered
+    app.add_middleware(EdgeMiddleware, routes=RouteTable.of(app), payload_limit=settings.payload_limit,
+                       api_key=settings.api_key.get_secret_value() if settings.api_key else None, metrics=metrics)
     app.openapi = deployment_openapi(app, engine)
     return app
 
@@ -131,6 +134,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         return response
 
 
+# Probes and scrapers carry no key (docs/api.md): OpenAPI's "no security" on the operation, which
+# the edge's RouteTable reads.
+_OPEN = {"security": []}
+
+
 def _add_routes(app: FastAPI, engine: Engine, metrics: ServiceMetrics) -> None:
     @app.post("/embed", response_model=list[list[float]], responses=_ERRORS)
     async def embed(body: EmbedRequest, request: Request) -> Response:
@@ -168,19 +176,19 @@ def _add_routes(app: FastAPI, engine: Engine, metrics: ServiceMetrics) -> None:
     async def info() -> Response:
         return _json({**engine.info(), "version": VERSION})
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.get("/health", responses={503: {"model": ErrorResponse}}, openapi_extra=_OPEN)
     async def health() -> Response:
         if engine.state == "failed":
             return _error(NotReady(f"model failed to load ({engine.failure})"))
         return _json({"status": "ok"})
 
-    @app.get("/ready", responses={503: {"model": ErrorResponse}})
+    @app.get("/ready", responses={503: {"model": ErrorResponse}}, openapi_extra=_OPEN)
     async def ready() -> Response:
         if engine.state != "ready":
             return _error(NotReady(f"not ready: {engine.state}"))
         return _json({"status": "ready"})
 
-    @app.get("/metrics", response_class=Response,
+    @app.get("/metrics", response_class=Response, openapi_extra=_OPEN,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics_route() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)

@@ -63,7 +63,7 @@ def prepare(settings: ServeSettings) -> int:
     """``--prepare``: load (exporting into the cache if needed), print what would serve, 0 or 1."""
     import torch
 
-    from .runtime import load_served_model
+    from .loading import load_served_model
 
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
@@ -72,9 +72,8 @@ def prepare(settings: ServeSettings) -> int:
     except Exception as exc:  # a bad checkpoint, a hybrid export that cannot be written: a start would exit 1 too
         print(f"yoso-serve --prepare: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    export = getattr(loaded.model, "export_dir", None)
     print(json.dumps({"runtime": loaded.runtime, "reason": loaded.reason,
-                      "onnx_export": None if export is None else str(export)}))
+                      "onnx_export": None if loaded.export is None else str(loaded.export)}))
     return 0
 
 

@@ -22,17 +22,12 @@ from .admission import SPEED_PROBE, request_budget
 from .errors import ClientGone, InvalidInput, NotReady
 from .metrics import ServiceMetrics
 from .params import ClassifyParams, EmbedParams, HiddenParams, Output, Usage
-from .runtime import LoadedModel
-from .scheduler import BatchScheduler, WorkItem
+from .loading import LoadedModel, ServedModel
+from .scheduler import BatchScheduler, OutputKind, WorkItem
 from .settings import ServeSettings
+from .zero_shot import ranked, softmax, zero_shot_classify
 
 log = logging.getLogger("yoso_serve.service")
-
-# Zero-shot classification: cosine similarities are scaled by 1/0.05 before the softmax (the
-# temperature contrastive sentence encoders are trained with), and for multi-label each label is
-# sigmoid(20 * (cos - 0.3)): a cosine of 0.3 (typical "related" for MiniLM-style encoders) scores 0.5.
-ZERO_SHOT_SCALE = 20.0
-ZERO_SHOT_THRESHOLD = 0.3
 
 WARMUP_TEXT = "warm-up"
 
@@ -60,20 +55,27 @@ def chunk_windows(n_tokens: int, window: int, overlap: int) -> list[tuple[int, i
 
 class Engine:
     """Serves one model. ``load_model()`` (called on a worker thread at start) returns a
-    :class:`LoadedModel` (the model with its runtime, see runtime.py) or a bare ``EncoderModel``
-    (see yoso_serve.model); ``settings`` sets every limit."""
+    :class:`LoadedModel` (the model with its runtime, see loading.py) or a bare :class:`ServedModel`
+    (an ``EncoderModel``, say: tests, embedders); ``settings`` sets every limit. What depends on the
+    model is None until it is loaded."""
 
     def __init__(self, settings: ServeSettings, metrics: ServiceMetrics,
-                 load_model: Callable[[], object], *, model_name: str) -> None:
+                 load_model: Callable[[], LoadedModel | ServedModel], *, model_name: str) -> None:
         self.settings = settings
         self.metrics = metrics
         self.model_name = model_name
         self._load_model = load_model
-        self.model = None
+        self.model: ServedModel | None = None
         self.state = "loading"  # loading → ready → draining; or failed
         self.failure: str | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="yoso-tokenize")
         self.scheduler: BatchScheduler | None = None
+        self.device: str | None = None
+        self.max_length: int | None = None  # tokens per input, specials included
+        self.window: int | None = None  # content tokens per chunked window
+        self.fixed_hashes: int | None = None  # the one count an exported graph runs
+        self.default_hashes: int | None = None  # the count at and above auto's crossover
+        self.exact_below: int | None = None  # auto's crossover, in tokens
         self.backend: dict = {}
         self.runtime: str = settings.runtime  # the resolved one once loaded ("auto" means not yet)
         self.runtime_reason: str | None = None
@@ -105,15 +107,13 @@ class Engine:
                  self.default_hashes, self.runtime, self.backend.get("backend"))
 
     def _load(self) -> None:
-        from yoso_serve.kernels import backend_info
-
         s = self.settings
         if s.threads is not None:
             torch.set_num_threads(s.threads)
         self.device = s.resolved_device()
         loaded = self._load_model()
         if not isinstance(loaded, LoadedModel):  # a loader that hands over a bare model (tests, embedders)
-            loaded = LoadedModel(loaded, getattr(loaded, "runtime", "torch"), "the model the loader returned")
+            loaded = LoadedModel(loaded, loaded.runtime, "the model the loader returned")
         model = loaded.model
         cfg = model.config
         if model.tokenizer is None:
@@ -129,17 +129,17 @@ class Engine:
         if s.chunk_overlap >= self.window:
             raise ValueError(f"--chunk-overlap {s.chunk_overlap} must be below the window of "
                              f"{self.window} tokens; lower it")
-        self.fixed_hashes = getattr(model, "fixed_hashes", None)  # an ONNX graph is exported for one count
+        self.fixed_hashes = model.fixed_hashes
         self.default_hashes = resolve_hashes(cfg, s.hashes, source="setting", max_hashes=s.max_hashes,
                                              fixed=self.fixed_hashes, n_tokens=self.max_length)
         self.exact_below = auto_crossover(s.auto_exact_below, loaded.runtime)
         self.model = model.to(self.device).eval()
-        # an ONNX or hybrid model reports its own runtime (onnxruntime, providers) besides the torch kernels'
-        self.backend = model.backend_info() if hasattr(model, "backend_info") else backend_info()
+        self.backend = model.backend_info()
         self.runtime, self.runtime_reason = loaded.runtime, loaded.reason
         self.metrics.set_model_info(model=self.model_name, hashes=self.default_hashes,
                                     backend=str(self.backend.get("backend")), device=self.device,
-                                    runtime=self.runtime, policy=str(s.hashes), auto_exact_below=self.exact_below)
+                                    runtime=self.runtime, max_length=self.max_length, policy=str(s.hashes),
+                                    auto_exact_below=self.exact_below)
         self.scheduler = BatchScheduler(
             self._forward, max_batch_tokens=s.max_batch_tokens, max_batch_requests=s.max_batch_requests,
             max_wait_ms=s.max_wait_ms, max_queue_tokens=s.max_queue_tokens, metrics=self.metrics,
@@ -173,7 +173,7 @@ class Engine:
         pieces = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
         usage = Usage(tokenize_ms=1000 * (time.monotonic() - t0))
         flat = [(i, ids, w) for i, windows in enumerate(pieces) for ids, w in windows]
-        rows = await self._run([ids for _, ids, _ in flat], hashes, "embed", p.pooling, usage, watch, [i for i, *_ in flat])
+        rows = await self._run([ids for _, ids, _ in flat], hashes, OutputKind.EMBED, p.pooling, usage, watch, [i for i, *_ in flat])
         vectors = np.zeros((len(p.texts), rows[0].shape[0]), dtype=np.float32)
         weights = np.zeros(len(p.texts), dtype=np.float32)
         for (i, _, w), row in zip(flat, rows):
@@ -194,36 +194,17 @@ class Engine:
         if p.long_input == "chunk":
             raise InvalidInput("long_input='chunk' is only for pooled embeddings (/embed); use "
                                "'truncate' or 'error' here", param="long_input")
-        return Output(*await self._run_whole_inputs(p, hashes, "hidden", watch))
+        return Output(*await self._run_whole_inputs(p, hashes, OutputKind.HIDDEN, watch))
 
     async def classify(self, p: ClassifyParams, watch: Watch | None = None) -> Output:
         """Per input, ``[(label, score), ...]`` sorted by score, highest first."""
         self._check_open()
         if p.labels is None:
             return await self._classify_head(p, watch)
-        if not p.labels or any(not label.strip() for label in p.labels) or len(set(p.labels)) != len(p.labels):
-            raise InvalidInput("labels must be a non-empty list of distinct, non-blank strings",
-                               param="labels")
-        if len(p.labels) > self.settings.max_client_batch_size:
-            raise InvalidInput(f"{len(p.labels)} labels is above max_client_batch_size "
-                               f"{self.settings.max_client_batch_size}", param="labels")
-        self._check_texts(p.texts)
-        texts = await self.embed(EmbedParams(p.texts, truncation_direction=p.truncation_direction,
-                                             hashes=p.hashes, long_input=p.long_input), watch)
-        labels = await self.embed(EmbedParams(list(p.labels), hashes=p.hashes), watch)
-        sims = texts.value @ labels.value.T  # (n_texts, n_labels) cosines: both sides normalised
-        if p.raw_scores:
-            scores = sims
-        elif p.multi_label:
-            scores = 1.0 / (1.0 + np.exp(-ZERO_SHOT_SCALE * (sims - ZERO_SHOT_THRESHOLD)))
-        else:
-            scores = _softmax(ZERO_SHOT_SCALE * sims)
-        usage = texts.usage
-        usage.tokens += labels.usage.tokens
-        usage.inference_ms += labels.usage.inference_ms
-        return Output(_ranked(scores, list(p.labels)), usage)
+        return await zero_shot_classify(p, watch, embed=self.embed, check_texts=self._check_texts,
+                                        max_labels=self.settings.max_client_batch_size)
 
-    async def _run_whole_inputs(self, p, hashes: int | str, kind: str, watch: Watch | None) -> tuple[list, Usage]:
+    async def _run_whole_inputs(self, p, hashes: int | str, kind: OutputKind, watch: Watch | None) -> tuple[list, Usage]:
         """Tokenise p.texts (one window each: no chunking) and run them; (rows, usage)."""
         t0 = time.monotonic()
         pieces = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
@@ -239,16 +220,16 @@ class Engine:
         if p.long_input == "chunk":
             raise InvalidInput("long_input='chunk' is not supported with a classification head; "
                                "use 'truncate' or 'error'", param="long_input")
-        rows, usage = await self._run_whole_inputs(p, hashes, "classify", watch)
+        rows, usage = await self._run_whole_inputs(p, hashes, OutputKind.CLASSIFY, watch)
         logits = np.stack(rows)
         if p.raw_scores:
             scores = logits
         elif p.multi_label:
             scores = 1.0 / (1.0 + np.exp(-logits))
         else:
-            scores = _softmax(logits)
+            scores = softmax(logits)
         id2label = self.model.id2label
-        return Output(_ranked(scores, [id2label.get(i, str(i)) for i in range(logits.shape[1])]), usage)
+        return Output(ranked(scores, [id2label.get(i, str(i)) for i in range(logits.shape[1])]), usage)
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[dict]]:
         """Per input, its tokens: ``{id, text, start, stop, special}`` (offsets in characters)."""
@@ -288,15 +269,15 @@ class Engine:
                 k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                              "max_position_embeddings", "num_hash", "hash_code_len",
                                              "use_expectation", "pooling", "attention_type")},
-            "max_input_length": getattr(self, "max_length", None),
+            "max_input_length": self.max_length,
             "hashes": s.hashes,
-            "default_hashes": getattr(self, "default_hashes", None),
-            "auto_exact_below": getattr(self, "exact_below", None),
+            "default_hashes": self.default_hashes,
+            "auto_exact_below": self.exact_below,
             "max_hashes": s.max_hashes,
             "has_classifier": None if cfg is None else self.model.has_classifier,
             "labels": None if cfg is None else list(self.model.id2label.values()),
             "backend": self.backend,
-            "device": getattr(self, "device", None),
+            "device": self.device,
             "runtime": self.runtime,
             "runtime_reason": self.runtime_reason,
             "limits": {k: getattr(s, k) for k in (
@@ -361,7 +342,7 @@ class Engine:
                         chunk_windows(len(ids), self.window, self.settings.chunk_overlap)])
         return out
 
-    async def _run(self, seqs: list[list[int]], hashes: int | str, kind: str, pooling: str | None,
+    async def _run(self, seqs: list[list[int]], hashes: int | str, kind: OutputKind, pooling: str | None,
                    usage: Usage, watch: Watch | None, owners: list[int] | None = None) -> list[np.ndarray]:
         """Queue one item per sequence at the count its own length resolves ``hashes`` to (the batcher
         groups by it), wait for all (or the client leaving), fill ``usage``. ``owners``: each sequence's input."""
@@ -402,22 +383,14 @@ class Engine:
             mask[row, : it.length] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         with torch.inference_mode():
-            if first.kind == "embed":
+            if first.kind is OutputKind.EMBED:
                 out = self.model.embed(ids, mask, hashes=first.hashes, pooling=first.pooling)
-            elif first.kind == "hidden":
+            elif first.kind is OutputKind.HIDDEN:
                 out = self.model.last_hidden(ids, mask, hashes=first.hashes)
             else:
                 out = self.model.classify(ids, mask, hashes=first.hashes)
         out = out.float().cpu().numpy()
-        if first.kind == "hidden":
+        if first.kind is OutputKind.HIDDEN:
             return [out[row, : it.length] for row, it in enumerate(batch)]
         return list(out)
 
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
-
-
-def _ranked(scores: np.ndarray, labels: list[str]) -> list[list[tuple[str, float]]]:
-    return [sorted(zip(labels, map(float, row)), key=lambda p: -p[1]) for row in scores]

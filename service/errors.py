@@ -6,6 +6,8 @@ The engine raises these (plain exceptions, no HTTP objects); the app turns them 
 
 from __future__ import annotations
 
+import json
+
 
 class ServiceError(Exception):
     """Base: ``message`` is safe to show clients; ``param`` names the offending request field."""
@@ -87,11 +89,14 @@ class ClientGone(ServiceError):
 class InternalError(ServiceError):
     """Anything unexpected. The client sees only this sanitised message; the log has the traceback."""
 
+    default_code = "internal"
+
     def __init__(self) -> None:
-        super().__init__("internal server error; the server log has the details", code="internal")
+        super().__init__("internal server error; the server log has the details")
 
 
-# The one table. Lookup walks the exception's MRO, so subclasses inherit their parent's status.
+# The one table. Lookup walks the exception's MRO, so subclasses inherit their parent's status; where
+# two classes share a status (500), the first listed names it in the failures metric.
 STATUS: dict[type[ServiceError], int] = {
     MalformedRequest: 400,
     Unauthorized: 401,
@@ -118,3 +123,22 @@ def status_of(exc: ServiceError) -> int:
 def error_body(exc: ServiceError) -> dict:
     return {"error": {"message": exc.message, "type": exc.type, "param": exc.param,
                       "code": exc.code}}
+
+
+def error_response_parts(exc: ServiceError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """(status, headers, body) of the one error shape, with the headers some statuses need."""
+    headers = [(b"content-type", b"application/json")]
+    if isinstance(exc, Unauthorized):
+        headers.append((b"www-authenticate", b"Bearer"))
+    if isinstance(exc, Overloaded):
+        headers.append((b"retry-after", str(exc.retry_after).encode()))
+    return status_of(exc), headers, json.dumps(error_body(exc)).encode()
+
+
+# yoso_failures_total's reason per status: the code of the error class that answers with it.
+_REASONS = {status: cls.default_code for cls, status in reversed(STATUS.items())}  # reversed: first wins
+
+
+def failure_reason(status: int) -> str:
+    """The failures metric's reason for an error ``status`` (the status itself when no class has it)."""
+    return _REASONS.get(status, str(status))

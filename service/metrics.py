@@ -26,9 +26,10 @@ def power_of_two_buckets(limit: int) -> tuple[float, ...]:
 
 
 class ServiceMetrics:
-    """All instruments of one app. ``max_length`` sets the input-length histogram's top bucket."""
+    """All instruments of one app. ``max_batch_tokens`` tops the batch-token histogram, and the
+    input-length one until :meth:`set_model_info` narrows it to the served model's input limit."""
 
-    def __init__(self, max_length: int = 4096) -> None:
+    def __init__(self, max_batch_tokens: int = 16384) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("yoso_requests", "HTTP requests by route and status",
@@ -61,9 +62,9 @@ class ServiceMetrics:
         self.batch_size = Histogram("yoso_batch_size", "Inputs per batch", buckets=_BATCH_SIZES,
                                     registry=r)
         self.batch_tokens = Histogram("yoso_batch_tokens", "Padded tokens per batch",
-                                      buckets=power_of_two_buckets(max(max_length, 1) * 64), registry=r)
-        self.input_length = Histogram("yoso_input_length_tokens", "Tokens per input (after truncation)",
-                                      buckets=power_of_two_buckets(max_length), registry=r)
+                                      buckets=power_of_two_buckets(max_batch_tokens), registry=r)
+        # no input is longer than a batch; set_model_info narrows this to the model's limit
+        self.input_length = self._input_length(max_batch_tokens)
         self.tokens = Counter("yoso_tokens_processed", "Real (unpadded) tokens run through the model",
                               registry=r)
         self.inputs_by_hashes = Counter("yoso_inputs_by_hashes", "Inputs run (a chunked input's windows "
@@ -76,10 +77,18 @@ class ServiceMetrics:
                            registry=r)
         self.device = "cpu"
 
+    def _input_length(self, limit: int) -> Histogram:
+        return Histogram("yoso_input_length_tokens", "Tokens per input (after truncation)",
+                         buckets=power_of_two_buckets(limit), registry=self.registry)
+
     def set_model_info(self, *, model: str, hashes: int, backend: str, device: str, runtime: str,
-                       policy: str | None = None, auto_exact_below: int | None = None) -> None:
+                       max_length: int, policy: str | None = None, auto_exact_below: int | None = None) -> None:
         """``hashes``: the count at and above auto's crossover (always, under a fixed ``policy``);
-        ``policy``: --hashes ("auto" or a count); ``auto_exact_below``: the crossover in tokens."""
+        ``max_length``: the served input limit, the input-length histogram's top bucket (set before
+        any input is observed); ``policy``: --hashes ("auto" or a count); ``auto_exact_below``: the
+        crossover in tokens."""
+        self.registry.unregister(self.input_length)
+        self.input_length = self._input_length(max_length)
         self.model_info.info({"model": model, "hashes": str(hashes), "backend": backend,
                               "device": device, "runtime": runtime, "hashes_policy": str(policy or hashes),
                               "auto_exact_below": str(auto_exact_below or 0)})

@@ -10,37 +10,35 @@ the traceback in the server log only.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 from .admission import client_deadline, parse_client_timeout
-from .errors import InternalError, PayloadTooLarge, ServiceError, Unauthorized, error_body, status_of
+from .errors import InternalError, PayloadTooLarge, ServiceError, Unauthorized, error_response_parts, failure_reason
 from .metrics import ServiceMetrics
 
 log = logging.getLogger("yoso_serve.service")
 
-WORK_ROUTES = frozenset({"/embed", "/embed_all", "/classify", "/v1/embeddings", "/tokenize",
-                         "/", "/predict", "/rerank", "/similarity", "/decode"})  # the last five: TEI's
-# Probes and scrapers carry no key: documented in docs/api.md.
-OPEN_ROUTES = frozenset({"/health", "/ready", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
-KNOWN_ROUTES = WORK_ROUTES | OPEN_ROUTES | {"/info"}
+@dataclass(frozen=True)
+class RouteTable:
+    """The app's routes as the edge sorts them, read from what the app registered (:meth:`of`)."""
 
-FAILURE_REASONS = {400: "malformed", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-                   413: "payload_too_large", 422: "invalid_input", 429: "overloaded",
-                   499: "client_closed", 500: "internal", 503: "unavailable", 504: "deadline"}
+    work: frozenset[str]  # model work: counted in flight, may carry x-request-timeout
+    open: frozenset[str]  # answered without the API key
+    known: frozenset[str]  # metric labels; any other path is "other"
 
-
-def error_response_parts(exc: ServiceError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """(status, headers, body) of the one error shape, with the headers some statuses need."""
-    headers = [(b"content-type", b"application/json")]
-    if isinstance(exc, Unauthorized):
-        headers.append((b"www-authenticate", b"Bearer"))
-    retry_after = getattr(exc, "retry_after", None)
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
-    return status_of(exc), headers, json.dumps(error_body(exc)).encode()
+    @classmethod
+    def of(cls, app) -> "RouteTable":
+        """Every POST route is work (each queues model work). Open: the routes that declare no security
+        (``openapi_extra={"security": []}``: the probes and the scrape, documented in docs/api.md) and
+        FastAPI's own docs routes (the ones left out of the schema)."""
+        routes = [r for r in app.routes if getattr(r, "methods", None)]
+        work = {r.path for r in routes if "POST" in r.methods}
+        open_ = {r.path for r in routes if not r.include_in_schema
+                 or (getattr(r, "openapi_extra", None) or {}).get("security") == []}
+        return cls(frozenset(work), frozenset(open_), frozenset(r.path for r in routes))
 
 
 def _request_id(raw: bytes | None) -> str:
@@ -53,8 +51,10 @@ def _request_id(raw: bytes | None) -> str:
 
 
 class EdgeMiddleware:
-    def __init__(self, app, *, api_key: str | None, payload_limit: int, metrics: ServiceMetrics) -> None:
+    def __init__(self, app, *, routes: RouteTable, api_key: str | None, payload_limit: int,
+                 metrics: ServiceMetrics) -> None:
         self.app = app
+        self.routes = routes
         self._key = api_key.encode() if api_key else None
         self.payload_limit = payload_limit
         self.metrics = metrics
@@ -67,7 +67,7 @@ class EdgeMiddleware:
         headers = dict(scope["headers"])
         request_id = _request_id(headers.get(b"x-request-id"))
         path = scope["path"]
-        route = path if path in KNOWN_ROUTES else "other"
+        route = path if path in self.routes.known else "other"
         state = {"status": 500, "started": False}
 
         async def send_with_id(message) -> None:
@@ -77,7 +77,7 @@ class EdgeMiddleware:
                                                   (b"x-request-id", request_id.encode())]}
             await send(message)
 
-        work = path in WORK_ROUTES
+        work = path in self.routes.work
         if work:
             self.metrics.in_flight.inc()
         deadline_token = None
@@ -105,10 +105,10 @@ class EdgeMiddleware:
             self.metrics.requests.labels(route, str(status)).inc()
             self.metrics.request_duration.labels(route, str(status)).observe(time.perf_counter() - start)
             if status >= 400:
-                self.metrics.failures.labels(FAILURE_REASONS.get(status, str(status))).inc()
+                self.metrics.failures.labels(failure_reason(status)).inc()
 
     def _check_key(self, path: str, headers: dict) -> ServiceError | None:
-        if self._key is None or path in OPEN_ROUTES:
+        if self._key is None or path in self.routes.open:
             return None
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         if scheme.lower() != b"bearer" or not token:

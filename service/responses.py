@@ -8,8 +8,7 @@ import json
 from fastapi import Request
 from fastapi.responses import Response
 
-from .errors import ServiceError
-from .middleware import error_response_parts
+from .errors import ServiceError, error_response_parts
 from .params import Usage
 from .protocol import ErrorResponse
 

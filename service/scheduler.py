@@ -14,6 +14,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from itertools import count
 from typing import Any, Callable, Hashable
 
@@ -25,6 +26,14 @@ from .metrics import ServiceMetrics
 log = logging.getLogger("yoso_serve.service")
 
 
+class OutputKind(str, Enum):
+    """What a batch returns per item; str-valued, so it reads as its text wherever it is shown."""
+
+    EMBED = "embed"  # pooled vector
+    HIDDEN = "hidden"  # last hidden states, one row per token
+    CLASSIFY = "classify"  # the classification head's logits
+
+
 @dataclass(eq=False)
 class WorkItem:
     """One tokenised input waiting for the model. ``group`` = (hashes, kind, pooling): items batch
@@ -32,7 +41,7 @@ class WorkItem:
 
     ids: list[int]
     hashes: int
-    kind: str  # "embed" | "hidden" | "classify"
+    kind: OutputKind
     pooling: str | None
     deadline: float  # time.monotonic() after which the item is dropped with 504
     future: asyncio.Future
@@ -107,10 +116,6 @@ class BatchScheduler:
 
     def start(self) -> None:
         self._thread.start()
-
-    @property
-    def queued_tokens(self) -> int:
-        return self._queued_tokens
 
     @contextmanager
     def checked(self, budget: float, chars: int):

@@ -62,7 +62,7 @@ def tailor(doc: dict, engine: Engine) -> dict:
         if "hashes" in props:
             hashes = props["hashes"]["anyOf"][0]
             hashes["maximum"] = s.max_hashes
-            fixed = getattr(model, "fixed_hashes", None)
+            fixed = None if model is None else model.fixed_hashes
             if model is not None and model.config.attention_type != "yoso":
                 del props["hashes"]  # no hash count to set (additionalProperties is false)
             elif fixed is not None:

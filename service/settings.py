@@ -84,13 +84,11 @@ class ServeSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_start(self) -> "ServeSettings":
+        from .loading import check_hybrid_serving, check_onnx_serving  # loading.py reads these settings
+
         if self.runtime == "onnx":
-            from yoso_serve.model.onnx_runtime import check_serving
-
-            check_serving(self.model, self.hashes)
+            check_onnx_serving(self.model, self.hashes)
         if self.runtime == "hybrid":
-            from yoso_serve.model.hybrid import check_serving as check_hybrid_serving
-
             check_hybrid_serving(self.hashes)
         resolve_hashes(None, self.hashes, source="setting", max_hashes=self.max_hashes)
         if self.model is not None and not (self.model / "config.json").is_file():

@@ -19,11 +19,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from .engine import ZERO_SHOT_SCALE, ZERO_SHOT_THRESHOLD, Engine
+from .engine import Engine
 from .errors import InvalidInput, MalformedRequest, NotReady
 from .protocol import (DecodeRequest, EmbedRequest, PredictRequest, Rank, RerankRequest, ScoredLabel,
                        SimilarityRequest, ZeroShotRequest)
 from .responses import ERRORS, json_response, watch
+from .zero_shot import ZERO_SHOT_SCALE, ZERO_SHOT_THRESHOLD
 
 # The bodies POST / takes; /openapi.json narrows them to the loaded model's (see schema.py).
 ROOT_BODIES = (EmbedRequest, SimilarityRequest, PredictRequest, ZeroShotRequest)

@@ -13,10 +13,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_in_checkout(code: str) -> dict:
+def run_in_checkout(code: str, *flags: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH", "PYTHONPATH")}
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, *flags, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -52,6 +52,18 @@ def test_transformers_imports_cleanly_beside_the_project():
     # No `service` or `model` distribution is installed: the checkout's folders must not pose as one.
     assert got["service"] is False and got["model"] is False
     assert got["ours"] == "yoso_serve.kernels.yoso"
+
+
+def test_the_three_folders_step_aside_alike_when_nothing_is_installed():
+    """-S leaves site-packages out: neither yoso-serve nor HF's kernels is importable, as in a bare
+    checkout. Each folder then becomes the same empty placeholder, none of them fails."""
+    got = run_in_checkout(
+        "import json, importlib.util as u, kernels, model, service;"
+        "print(json.dumps({m.__name__: [getattr(m, '__file__', None), list(m.__path__)]"
+        " for m in (kernels, model, service)} | {'yoso_serve': u.find_spec('yoso_serve') is None}))",
+        "-S",
+    )
+    assert got == {"kernels": [None, []], "model": [None, []], "service": [None, []], "yoso_serve": True}
 
 
 def test_installed_package_adds_only_yoso_serve():

@@ -9,8 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import export
-from . import distill, evaluate, finetune, longdoc, mlm
+from . import distill, evaluate, export_onnx, finetune, longdoc, mlm
 from .runtime import shutdown_distributed
 
 COMMANDS = {
@@ -19,7 +18,7 @@ COMMANDS = {
     "longdoc": (longdoc, "contrastive long-document training: spans → whole documents, short pairs, distillation"),
     "mlm": (mlm, "masked-LM pretraining or continued pretraining from a checkpoint"),
     "eval": (evaluate, "agreement with a teacher, classification metrics, speed"),
-    "export-onnx": (export, "a checkpoint to ONNX: model.onnx + config.json + tokenizer (docs/onnx.md)"),
+    "export-onnx": (export_onnx, "a checkpoint to ONNX: model.onnx + config.json + tokenizer (docs/onnx.md)"),
 }
 
 

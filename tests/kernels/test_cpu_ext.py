@@ -14,17 +14,11 @@ import sys
 
 import pytest
 import torch
+from yoso_testkit import close, random_codes
 
 from yoso_serve.kernels import _build, hash_codes, yoso_attention
+from yoso_serve.kernels.cumulate import lsh_cumulate, lsh_weighted_cumulate
 from yoso_serve.kernels.hashing import _projection
-from yoso_serve.kernels.yoso import lsh_cumulate, lsh_weighted_cumulate
-
-
-def random_codes(gen, bh, m, n, hash_bits, mask_frac):
-    """(BH, m, N) int32 codes in [0, 2^τ); a fraction of tokens masked (-1 in every hash)."""
-    codes = torch.randint(0, 1 << hash_bits, (bh, m, n), generator=gen, dtype=torch.int32)
-    masked = torch.rand(bh, 1, n, generator=gen) < mask_frac
-    return codes.masked_fill(masked, -1)
 
 
 def collisions(q_codes, k_codes):
@@ -41,12 +35,6 @@ def dense_cumulate(q_codes, k_codes, v):
 def dense_weighted_cumulate(q_codes, k_codes, q_w, k_w, v):
     weights = collisions(q_codes, k_codes).mean(1) * (q_w.double() @ k_w.double().transpose(1, 2))
     return (weights @ v.double()).float()
-
-
-def close(actual, expected):
-    """fp32 elementwise: 1e-5 relative to the largest entry (sums of many fp32 terms)."""
-    scale = max(1.0, expected.abs().max().item())
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale)
 
 
 # (BH, m, Nq, Nk, Dv, Dw, hash_bits, masked fraction): N=1, N=137, D=48, Nq≠Nk, m=1..7, τ=1..12.

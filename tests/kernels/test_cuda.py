@@ -21,9 +21,10 @@ import textwrap
 
 import pytest
 import torch
+from yoso_testkit import close, random_codes
 
 from yoso_serve.kernels import _build, hash_codes, hash_codes_ref, hashing, yoso_attention, yoso_attention_ref
-from yoso_serve.kernels.yoso import lsh_cumulate, lsh_weighted_cumulate
+from yoso_serve.kernels.cumulate import lsh_cumulate, lsh_weighted_cumulate
 
 pytestmark = [
     pytest.mark.cuda,
@@ -40,19 +41,6 @@ def ext():
     if module is None:
         pytest.fail(f"the CUDA extension must build on a GPU machine: {_build.backend_info()}")
     return module
-
-
-def random_codes(gen, bh, m, n, hash_bits, mask_frac):
-    """(BH, m, N) int32 codes in [0, 2^τ); a fraction of tokens masked (-1 in every hash)."""
-    codes = torch.randint(0, 1 << hash_bits, (bh, m, n), generator=gen, dtype=torch.int32)
-    masked = torch.rand(bh, 1, n, generator=gen) < mask_frac
-    return codes.masked_fill(masked, -1)
-
-
-def close(actual, expected, rtol=1e-5):
-    """Elementwise, relative to the largest entry (sums of many fp32 terms in another order)."""
-    scale = max(1.0, expected.abs().max().item())
-    torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=rtol, atol=rtol * scale)
 
 
 def cuda(*tensors):

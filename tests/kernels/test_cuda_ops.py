@@ -14,7 +14,7 @@ import torch
 
 from yoso_serve.kernels import hash_codes_ref, hashing
 from yoso_serve.kernels._cuda import cuda_ops
-from yoso_serve.kernels.yoso import lsh_cumulate, lsh_weighted_cumulate
+from yoso_serve.kernels.cumulate import lsh_cumulate, lsh_weighted_cumulate
 
 
 class StandIn:

@@ -4,30 +4,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from yoso_testkit import random_codes
 
 from yoso_serve.kernels import _build, hash_codes, yoso_attention, yoso_attention_ref
+from yoso_serve.kernels import cumulate as cumulate_module
 from yoso_serve.kernels import exact as exact_module
-from yoso_serve.kernels import yoso as yoso_module
-from yoso_serve.kernels.yoso import lsh_cumulate, lsh_weighted_cumulate
+from yoso_serve.kernels.cumulate import lsh_cumulate, lsh_weighted_cumulate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = [pytest.param(True, id="fast"), pytest.param(False, id="gauss")]
 
 
-def random_codes(bh, hashes, length, hash_bits, seed, masked_fraction=0.2):
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 2**hash_bits, (bh, hashes, length), generator=gen, dtype=torch.int32)
-    masked = torch.rand(bh, 1, length, generator=gen) < masked_fraction
-    return codes.masked_fill(masked, -1)
-
-
 @pytest.mark.parametrize(
     ("nq", "nk", "dv", "hash_bits"), [(137, 137, 48, 3), (1, 1, 5, 8), (29, 64, 7, 16), (64, 9, 48, 1)]
 )
 def test_lsh_cumulate_equals_the_dense_b_matrix(oracles, nq, nk, dv, hash_bits):
-    q_codes = random_codes(5, 7, nq, hash_bits, seed=1)
-    k_codes = random_codes(5, 7, nk, hash_bits, seed=2)
+    q_codes = random_codes(1, 5, 7, nq, hash_bits)
+    k_codes = random_codes(2, 5, 7, nk, hash_bits)
     v = torch.randn(5, nk, dv, generator=torch.Generator().manual_seed(3))
     expected = oracles.dense_collisions(q_codes, k_codes) @ v.double()  # (BH, Nq, Dv)
     got = lsh_cumulate(q_codes, k_codes, v, hash_bits)
@@ -41,8 +35,8 @@ def test_lsh_cumulate_equals_the_dense_b_matrix(oracles, nq, nk, dv, hash_bits):
 )
 def test_lsh_weighted_cumulate_equals_the_dense_formula(oracles, nq, nk, dw, dv, hash_bits):
     gen = torch.Generator().manual_seed(4)
-    q_codes = random_codes(3, 5, nq, hash_bits, seed=5)
-    k_codes = random_codes(3, 5, nk, hash_bits, seed=6)
+    q_codes = random_codes(5, 3, 5, nq, hash_bits)
+    k_codes = random_codes(6, 3, 5, nk, hash_bits)
     q_w = torch.randn(3, nq, dw, generator=gen)
     k_w, v = torch.randn(3, nk, dw, generator=gen), torch.randn(3, nk, dv, generator=gen)
     coupling = oracles.dense_collisions(q_codes, k_codes) * (q_w.double() @ k_w.double().transpose(1, 2))
@@ -51,18 +45,18 @@ def test_lsh_weighted_cumulate_equals_the_dense_formula(oracles, nq, nk, dw, dv,
 
 
 def test_cumulations_do_not_depend_on_chunking(monkeypatch):
-    q_codes, k_codes = random_codes(6, 4, 33, 8, seed=7), random_codes(6, 4, 33, 8, seed=8)
+    q_codes, k_codes = random_codes(7, 6, 4, 33, 8), random_codes(8, 6, 4, 33, 8)
     gen = torch.Generator().manual_seed(9)
     q_w, k_w, v = (torch.randn(6, 33, 4, generator=gen) for _ in range(3))
     whole = lsh_cumulate(q_codes, k_codes, v, 8), lsh_weighted_cumulate(q_codes, k_codes, q_w, k_w, v, 8)
-    monkeypatch.setattr(yoso_module, "_CHUNK_BUDGET", 1)  # one (batch·head) row per chunk
+    monkeypatch.setattr(cumulate_module, "_CHUNK_BUDGET", 1)  # one (batch·head) row per chunk
     assert torch.equal(lsh_cumulate(q_codes, k_codes, v, 8), whole[0])
     assert torch.equal(lsh_weighted_cumulate(q_codes, k_codes, q_w, k_w, v, 8), whole[1])
 
 
 def test_renumbered_tables_change_nothing():
     """With 2^τ + 1 > Nq + Nk the used buckets are renumbered: same codes, same bits out."""
-    q_codes, k_codes = random_codes(3, 5, 40, 4, seed=10), random_codes(3, 5, 30, 4, seed=11)
+    q_codes, k_codes = random_codes(10, 3, 5, 40, 4), random_codes(11, 3, 5, 30, 4)
     gen = torch.Generator().manual_seed(12)
     q_w = torch.randn(3, 40, 6, generator=gen)
     k_w, v = torch.randn(3, 30, 6, generator=gen), torch.randn(3, 30, 5, generator=gen)

@@ -11,22 +11,22 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import yoso_testkit as testkit
 
 from yoso_serve.model import EncoderConfig, EncoderModel, TextTokenizer
 from yoso_serve.model.default import minilm_dir
 from yoso_serve.model.export import export_onnx
 
-TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=160, type_vocab_size=2, hash_code_len=6, num_hash=16, hash_seed=11,
-            use_expectation=False)
+# yoso_testkit's tiny encoder on MiniLM's vocabulary, LSH by default, with room for 160 tokens
+TINY = dict(testkit.TINY, max_position_embeddings=160, hash_seed=11, use_expectation=False)
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 
 
 def _tiny_model(seed: int = 0, *, labels=None, **overrides) -> EncoderModel:
     torch.manual_seed(seed)
     tokenizer = TextTokenizer.from_dir(minilm_dir())
-    config = EncoderConfig(vocab_size=tokenizer.vocab_size, pad_token_id=tokenizer.pad_id, id2label=labels,
-                           **{**TINY, **overrides})
+    config = EncoderConfig(**{**TINY, "vocab_size": tokenizer.vocab_size, "pad_token_id": tokenizer.pad_id,
+                              "id2label": labels, **overrides})
     return EncoderModel(config, with_classifier=labels is not None, tokenizer=tokenizer).eval()
 
 

@@ -16,9 +16,9 @@ from yoso_serve.kernels.hashing import _projection
 from yoso_serve.kernels.yoso import YosoExactFn, lsh_cumulate
 from yoso_serve.model import EncoderConfig, TextTokenizer
 from yoso_serve.model.encoder import layer_seed
-from yoso_serve.model.export import (exact_cumulate_onnx, export_onnx, hash_codes_onnx, lsh_cumulate_onnx,
-                                     main_export_onnx)
+from yoso_serve.model.export import exact_cumulate_onnx, export_onnx, hash_codes_onnx, lsh_cumulate_onnx
 from yoso_serve.model.onnx_runtime import OnnxModelError, load_onnx
+from yoso_serve.model.train.export_onnx import main_export_onnx
 
 
 def test_out_dir_holds_graph_config_and_tokenizer(lsh_dir, tiny_model):
@@ -115,7 +115,7 @@ def test_module_entry_point_runs(tiny_model, tmp_path):
     from yoso_serve.model import save_pretrained
 
     ckpt = save_pretrained(tiny_model, tmp_path / "ckpt")
-    done = subprocess.run([sys.executable, "-m", "yoso_serve.model.export", "--model", str(ckpt), "--out",
+    done = subprocess.run([sys.executable, "-m", "yoso_serve.model.train.export_onnx", "--model", str(ckpt), "--out",
                            str(tmp_path / "out"), "--hashes", "2"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert load_onnx(tmp_path / "out").fixed_hashes == 2
@@ -140,20 +140,6 @@ def test_runtime_refuses_other_hash_counts_and_bad_dirs(lsh_dir, tiny_model, tmp
         load_onnx(save_pretrained(tiny_model, tmp_path / "torch-only"))
     with pytest.raises(OnnxModelError, match="no config.json"):
         load_onnx(tmp_path)
-
-
-def test_serving_checks_name_the_fix(lsh_dir, tiny_model, tmp_path):
-    from yoso_serve.model import save_pretrained
-    from yoso_serve.model.onnx_runtime import check_serving
-
-    check_serving(lsh_dir, 16)
-    check_serving(lsh_dir, None)
-    with pytest.raises(ValueError, match="needs --model"):
-        check_serving(None)
-    with pytest.raises(ValueError, match="yoso-train export-onnx --model"):
-        check_serving(save_pretrained(tiny_model, tmp_path / "ckpt"))
-    with pytest.raises(ValueError, match="--hashes 8 but .* was exported with 16 hashes"):
-        check_serving(lsh_dir, 8)
 
 
 def test_cuda_needs_the_cuda_provider():

@@ -20,12 +20,13 @@ import torch
 from pydantic import ValidationError
 
 from yoso_serve.model import load_pretrained, save_pretrained
-from yoso_serve.model import hybrid as hybrid_module
-from yoso_serve.model.hybrid import HybridEncoderModel, cached_export, export_key
+from yoso_serve.model import export_cache as cache_module
+from yoso_serve.model.export_cache import cached_export, export_key
+from yoso_serve.model.hybrid import HybridEncoderModel
 from yoso_serve.model.onnx_runtime import load_onnx
 from yoso_serve.service import ServeSettings, create_app
 from yoso_serve.service.cli import load_settings
-from yoso_serve.service.runtime import load_served_model
+from yoso_serve.service.loading import load_served_model
 
 TEXTS = ["the quick brown fox", "jumps over the lazy dog and keeps running far away", "short"]
 
@@ -63,8 +64,8 @@ def test_the_served_count_runs_on_onnxruntime_any_other_count_on_torch(tiny_mode
 
 def test_the_export_is_written_once_and_then_reused(torch_dir, cache, monkeypatch):
     calls = []
-    real_export = hybrid_module.export_onnx
-    monkeypatch.setattr(hybrid_module, "export_onnx",
+    real_export = cache_module.export_onnx
+    monkeypatch.setattr(cache_module, "export_onnx",
                         lambda *args, **kwargs: calls.append(kwargs["hashes"]) or real_export(*args, **kwargs))
     first = cached_export(load_pretrained(torch_dir), torch_dir, 16)
     assert calls == [16] and first == cache / export_key(torch_dir, 16)
@@ -90,7 +91,7 @@ def test_the_cache_key_follows_the_checkpoint_bytes_and_what_shapes_the_graph(to
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
     assert len({key, changed_config, export_key(copy, 16)}) == 3
-    monkeypatch.setattr(hybrid_module.importlib.metadata, "version", lambda name: "99.0.0")
+    monkeypatch.setattr(cache_module.importlib.metadata, "version", lambda name: "99.0.0")
     assert export_key(torch_dir, 16) != key  # a new release of the package exports afresh
 
 
@@ -102,7 +103,7 @@ def test_a_crash_leaves_nothing_and_a_concurrent_export_that_lands_first_wins(to
         (Path(out_dir) / "model.onnx").write_bytes(b"half a graph")
         raise RuntimeError("killed mid-export")
 
-    monkeypatch.setattr(hybrid_module, "export_onnx", crashing)
+    monkeypatch.setattr(cache_module, "export_onnx", crashing)
     with pytest.raises(RuntimeError, match="killed"):
         cached_export(model, torch_dir, 16)
     assert list(cache.iterdir()) == []
@@ -117,7 +118,7 @@ def test_a_crash_leaves_nothing_and_a_concurrent_export_that_lands_first_wins(to
         (Path(out_dir) / "config.json").write_text("{}")
         (Path(out_dir) / "model.onnx").write_bytes(b"ours")
 
-    monkeypatch.setattr(hybrid_module, "export_onnx", racing)
+    monkeypatch.setattr(cache_module, "export_onnx", racing)
     assert cached_export(model, torch_dir, 16) == target
     assert (target / "model.onnx").read_bytes() == b"theirs"
     assert [p.name for p in cache.iterdir()] == [target.name]

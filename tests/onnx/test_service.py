@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from yoso_serve.model import save_pretrained
 from yoso_serve.service import ServeSettings
+from yoso_serve.model.hybrid import HybridEncoderModel
+from yoso_serve.model.onnx_runtime import load_onnx
+from yoso_serve.service.loading import ServedModel, check_onnx_serving
 
 TEXTS = ["the quick brown fox", "jumps over the lazy dog and keeps running far away", "short",
          " ".join(f"word{i}" for i in range(300))]  # the last is truncated to the model's 160 tokens
@@ -55,3 +59,22 @@ def test_onnx_runtime_refuses_a_torch_checkpoint_and_other_hash_defaults(torch_d
         ServeSettings(model=torch_dir, runtime="onnx")
     with pytest.raises(ValidationError, match="exported with 16"):
         ServeSettings(model=lsh_dir, runtime="onnx", hashes=8)
+
+
+def test_serving_checks_name_the_fix(lsh_dir, tiny_model, tmp_path):
+    check_onnx_serving(lsh_dir, 16)
+    check_onnx_serving(lsh_dir, None)
+    with pytest.raises(ValueError, match="needs --model"):
+        check_onnx_serving(None)
+    with pytest.raises(ValueError, match="yoso-train export-onnx --model"):
+        check_onnx_serving(save_pretrained(tiny_model, tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="--hashes 8 but .* was exported with 16 hashes"):
+        check_onnx_serving(lsh_dir, 8)
+
+
+def test_every_runtime_has_the_interface_the_engine_serves(tiny_model, lsh_dir):
+    onnx_model = load_onnx(lsh_dir)
+    for model in (tiny_model, onnx_model, HybridEncoderModel(tiny_model, onnx_model)):
+        assert isinstance(model, ServedModel), type(model).__name__
+    assert [m.runtime for m in (tiny_model, onnx_model)] == ["torch", "onnx"]
+    assert (tiny_model.fixed_hashes, onnx_model.fixed_hashes) == (None, 16)

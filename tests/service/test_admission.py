@@ -14,7 +14,7 @@ from yoso_serve.service.admission import (ADMIT_SHARE, AdmissionPolicy, Running,
                                           client_deadline, parse_client_timeout, request_budget)
 from yoso_serve.service.errors import InvalidInput, Overloaded
 from yoso_serve.service.metrics import ServiceMetrics
-from yoso_serve.service.scheduler import BatchScheduler, WorkItem
+from yoso_serve.service.scheduler import BatchScheduler, OutputKind, WorkItem
 
 
 # --- the estimate and the policy, no threads, no clock --------------------------------------------
@@ -134,7 +134,7 @@ def test_scheduler_measures_every_batch_but_the_first_and_counts_the_running_one
         s = BatchScheduler(forward, max_batch_tokens=1000, max_batch_requests=8, max_wait_ms=0,
                            max_queue_tokens=10**6, metrics=ServiceMetrics())
         s.start()
-        items = lambda n, budget=10.0: [WorkItem(list(range(n)), 32, "embed", None, time.monotonic() + budget,
+        items = lambda n, budget=10.0: [WorkItem(list(range(n)), 32, OutputKind.EMBED, None, time.monotonic() + budget,
                                                  loop.create_future(), loop)]
         first = items(1)
         assert s.submit(first).predicted_wait == 0  # an idle server: no wait

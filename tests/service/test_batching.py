@@ -13,7 +13,7 @@ from yoso_serve.service.batching import plan_batch
 from yoso_serve.service.engine import chunk_windows
 from yoso_serve.service.errors import ClientGone, DeadlineExceeded, InternalError, NotReady, Overloaded
 from yoso_serve.service.metrics import ServiceMetrics, power_of_two_buckets
-from yoso_serve.service.scheduler import BatchScheduler, WorkItem
+from yoso_serve.service.scheduler import BatchScheduler, OutputKind, WorkItem
 
 
 @dataclass
@@ -125,7 +125,7 @@ def _scheduler(run_batch, **kw):
 
 def _items(loop, lengths, *, timeout=10.0, hashes=32):
     now = time.monotonic()
-    return [WorkItem(list(range(n)), hashes, "embed", None, now + timeout, loop.create_future(), loop)
+    return [WorkItem(list(range(n)), hashes, OutputKind.EMBED, None, now + timeout, loop.create_future(), loop)
             for n in lengths]
 
 

@@ -11,8 +11,9 @@ import time
 import pytest
 
 from yoso_serve.model import load_pretrained
-from yoso_serve.service import EmbedParams
+from yoso_serve.service import EmbedParams, ServeSettings, create_app
 from yoso_serve.service.errors import ClientGone
+from yoso_serve.service.middleware import EdgeMiddleware
 
 SHAPE = {"message", "type", "param", "code"}
 
@@ -45,16 +46,22 @@ def slow_loader(path, delay: float = 0.3, *, fail: bool = False, gate: threading
     return load
 
 
-def test_400_malformed_json_and_404_405(tiny_dir, serve):
+def test_400_malformed_json_and_404_405(tiny_dir, serve, metric):
     async def main():
         async with serve(tiny_dir, chunk_overlap=16) as c:
             bad = await c.post("/embed", content=b'{"inputs": ["a",', headers={"content-type": "application/json"})
             bad_root = await c.post("/", content=b'{"inputs": ["a",', headers={"content-type": "application/json"})
             methods = {(verb, path): await c.request(verb, path)
                        for verb, path in [("GET", "/embed"), ("PUT", "/"), ("TRACE", "/rerank"), ("POST", "/health")]}
-            return bad, bad_root, await c.get("/nope"), methods
+            missing = await c.get("/nope")
+            reasons = {code: metric(c, "yoso_failures_total", reason=code)
+                       for code in ("bad_request", "not_found", "method_not_allowed")}
+            return bad, bad_root, missing, methods, reasons
 
-    bad, bad_root, missing, methods = asyncio.run(main())
+    bad, bad_root, missing, methods, reasons = asyncio.run(main())
+    # the failures metric counts each under the code its error body carries
+    assert reasons == {error_of(bad, 400)["code"]: 2, error_of(missing, 404)["code"]: 1,
+                       error_of(methods["GET", "/embed"], 405)["code"]: 4}
     assert "malformed JSON" in error_of(bad, 400)["message"]
     assert "malformed JSON" in error_of(bad_root, 400)["message"]
     assert error_of(missing, 404)["code"] == "not_found"
@@ -64,6 +71,18 @@ def test_400_malformed_json_and_404_405(tiny_dir, serve):
         err = error_of(r, 405)
         assert err["code"] == "method_not_allowed" and f"{verb} is not allowed on {path}" in err["message"]
         assert r.headers["allow"] == allowed[verb, path]
+
+
+def test_routes_are_sorted_by_what_the_app_registers(tiny_dir):
+    """Work routes (in flight, deadline header) and open routes (no key), as the README and docs/api.md
+    list them, are exactly what the app's registered routes give."""
+    app = create_app(ServeSettings(model=tiny_dir, runtime="torch"))
+    table = next(m.kwargs["routes"] for m in app.user_middleware if m.cls is EdgeMiddleware)
+    assert table.work == {"/embed", "/embed_all", "/classify", "/v1/embeddings", "/tokenize", "/", "/predict",
+                          "/rerank", "/similarity", "/decode"}
+    assert table.open == {"/health", "/ready", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc",
+                          "/openapi.json"}
+    assert table.known == table.work | table.open | {"/info"}
 
 
 def test_401_without_or_with_wrong_key_and_open_probes(tiny_dir, serve):
@@ -214,7 +233,7 @@ def test_429_at_once_when_predicted_late_and_504_when_nothing_could_predict_it(t
             first = asyncio.create_task(c.post("/embed", json={"inputs": "first " * 70, "hashes": first_hashes}))
             await asyncio.sleep(0.05)
             late = await c.post("/embed", json={"inputs": "second one waits"})
-            return (await first, late, metric(c, "yoso_failures_total", reason="deadline"),
+            return (await first, late, metric(c, "yoso_failures_total", reason="deadline_exceeded"),
                     metric(c, "yoso_rejections_total", reason="predicted_wait"))
 
     first, late, deadline, rejected = asyncio.run(main())

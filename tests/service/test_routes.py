@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.metadata
+import re
 
 import numpy as np
 import pytest
@@ -194,8 +196,14 @@ def test_info_health_ready_metrics_docs(tiny_dir, serve):
                  "yoso_model_info", "yoso_ready 1.0"):
         assert name in text, name
     assert 'yoso_requests_total{route="/embed",status="200"} 1.0' in text
-    assert 'yoso_input_length_tokens_bucket{le="64.0"}' in text and 'le="128.0"' not in text.split(
-        "yoso_input_length_tokens_bucket")[1].split("yoso_")[0]
+    # the input-length buckets stop at the model's input limit (64), not at a fixed 4096
+    buckets = re.findall(r'yoso_input_length_tokens_bucket\{le="([^"]+)"\}', text)
+    assert buckets[-2:] == ["64.0", "+Inf"] and "128.0" not in buckets
+    # and a batch's padded tokens never pass --max-batch-tokens
+    assert re.findall(r'yoso_batch_tokens_bucket\{le="([^"]+)"\}', text)[-2:] == ["16384.0", "+Inf"]
+    # the version is the installed distribution's, wherever it is shown
+    version = importlib.metadata.version("yoso-serve")
+    assert info["version"] == version and r["/openapi.json"].json()["info"]["version"] == version
     assert 'hashes="8"' in text and 'device="cpu"' in text
     # admission: both refusal reasons exist from the start; the warm-up's speed probe measured hashes 8
     assert 'yoso_rejections_total{reason="predicted_wait"} 0.0' in text and 'reason="queue_full"} 0.0' in text

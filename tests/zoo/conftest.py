@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import yoso_testkit as testkit
+from yoso_testkit import TINY, pad_batch, random_ids
 
 from yoso_serve.model import EncoderConfig, EncoderModel, convert_bert_to_yoso, load_pretrained
 from yoso_serve.model.default import DEFAULT_SETTINGS, minilm_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 TYPES = ("yoso", "softmax", "linformer", "reformer", "linear", "sparse", "nystrom")
-TINY = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=128, type_vocab_size=2, hash_code_len=6, num_hash=16, pad_token_id=0)
 # Per-type settings small enough that the tiny inputs (up to 64 tokens) cross several blocks,
 # chunks or segments, so that the batching and masking paths are really taken.
 SMALL = {
@@ -30,27 +30,12 @@ QKV_TOKENS = 512
 
 
 def tiny_config(attention_type: str, **overrides) -> EncoderConfig:
-    return EncoderConfig(**{**TINY, "attention_type": attention_type, **SMALL.get(attention_type, {}), **overrides})
+    return testkit.tiny_config(**{"attention_type": attention_type, **SMALL.get(attention_type, {}), **overrides})
 
 
 def tiny_model(attention_type: str, seed: int = 0, *, with_classifier: bool = False, **overrides) -> EncoderModel:
-    torch.manual_seed(seed)
-    return EncoderModel(tiny_config(attention_type, **overrides), with_classifier=with_classifier).eval()
-
-
-def random_ids(lengths: list[int], *, seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, TINY["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
-
-
-def pad_batch(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long)
-    for row, seq in enumerate(seqs):
-        ids[row, : len(seq)] = torch.tensor(seq)
-        mask[row, : len(seq)] = 1
-    return ids, mask
+    return testkit.tiny_model(seed, with_classifier=with_classifier, **{"attention_type": attention_type,
+                                                                          **SMALL.get(attention_type, {}), **overrides})
 
 
 def project_text() -> str:

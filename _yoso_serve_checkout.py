@@ -7,6 +7,11 @@ which belong to other PyPI distributions (transformers imports Hugging Face's ``
 A folder imported under such a name calls :func:`step_aside`, which hands the name to the
 real distribution if one is installed, and otherwise leaves an empty namespace-like module
 (no ``__file__``) that import probes such as transformers' treat as "not installed".
+
+This module lives at the checkout's root, beside the three folders, and needs nothing installed:
+a folder can only be imported under its bare name when this root is on ``sys.path``, so the guard
+is always importable then, and all three folders behave alike whether or not yoso-serve is
+installed. It is not part of the installed package, which never needs it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,188 @@
+"""Which runtime serves the model: ``--runtime`` made concrete for the device, what each runtime needs at
+start, and the model loaded for it behind :class:`ServedModel`, the one interface the engine uses.
+
+``auto`` (the default) picks the faster runtime per device, which is torch on both:
+
+* CPU → torch: on the CPU of docs/benchmarks.md ("ONNX Runtime vs torch") ONNX Runtime, with the one
+  intra-op thread it is served with, reaches under half torch's docs/s at every length measured;
+* CUDA → torch, with our CUDA kernels (ONNX Runtime on a GPU has not been measured).
+
+``hybrid`` (:class:`yoso_serve.model.hybrid.HybridEncoderModel`), only when asked for: ONNX Runtime
+for the served hash count, from an export taken from the cache or written there once, and torch for
+any other count. Asked for, it never falls back to torch: a model the exporter does not cover, an
+exact served count or an export that cannot be prepared fails the load, and with it the start.
+
+``torch`` and ``onnx`` are what they say. The runtime and its reason are logged once and shown by /info.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from yoso_serve.model.hashes import AUTO, resolve_hashes
+
+if TYPE_CHECKING:  # annotations only: settings validation imports this module without torch
+    import torch
+
+    from yoso_serve.model.config import EncoderConfig
+    from yoso_serve.model.tokenizer import TextTokenizer
+
+    from .settings import ServeSettings
+
+log = logging.getLogger("yoso_serve.service")
+
+AUTO_REASONS = {
+    "cpu": "auto on cpu: torch, the faster runtime on CPU in docs/benchmarks.md (ONNX Runtime: under half its "
+           "docs/s at 128 to 4096 tokens); --runtime hybrid serves the served hash count with ONNX Runtime all "
+           "the same",
+    "cuda": "auto on cuda: torch, with our CUDA kernels (ONNX Runtime on a GPU has not been measured)",
+}
+
+
+@runtime_checkable
+class ServedModel(Protocol):
+    """What the engine serves: ``EncoderModel`` (torch), ``OnnxEncoderModel`` and ``HybridEncoderModel``.
+
+    Tensors in and out: input_ids (B, N) int64 and attention_mask (B, N) 0/1; ``hashes`` None means the
+    model's default count. A runtime that cannot run a count raises ValueError naming it.
+    """
+
+    config: EncoderConfig
+    tokenizer: TextTokenizer | None
+    runtime: str  # "torch", "hybrid" or "onnx"
+    fixed_hashes: int | None  # the one count an exported graph runs; None: any count
+
+    @property
+    def has_classifier(self) -> bool: ...
+
+    @property
+    def id2label(self) -> dict[int, str]: ...
+
+    def backend_info(self) -> dict:
+        """What /info shows as the backend (the kernels, or onnxruntime and its providers)."""
+
+    def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> ServedModel: ...
+
+    def eval(self) -> ServedModel: ...
+
+    def last_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                    hashes: int | None = None) -> torch.Tensor:
+        """(B, N, hidden)."""
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+              hashes: int | None = None, pooling: str | None = None) -> torch.Tensor:
+        """Pooled, not normalised (B, hidden)."""
+
+    def classify(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 hashes: int | None = None) -> torch.Tensor:
+        """Logits (B, num_labels)."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for the engine, the runtime serving it, why that runtime, and the ONNX export it
+    runs from (hybrid only)."""
+
+    model: ServedModel
+    runtime: str  # "torch", "hybrid" or "onnx"
+    reason: str
+    export: Path | None = None
+
+
+def check_onnx_serving(path: str | Path | None, hashes: int | str | None = None) -> None:
+    """What ``--runtime onnx`` needs at start: an exported ``path``, onnxruntime, and ``hashes``
+    (if a count, not "auto") equal to the exported count. Raises ValueError saying how to fix each."""
+    from yoso_serve.model.onnx_runtime import import_onnxruntime, is_onnx_dir
+
+    if path is None:
+        raise ValueError("--runtime onnx needs --model pointing at a directory written by "
+                         "`yoso-train export-onnx` (docs/onnx.md); the bundled default model is a torch "
+                         "checkpoint: to serve it, use --runtime torch (what auto picks) or --runtime hybrid "
+                         "(ONNX Runtime from an export cached at the first start)")
+    if not is_onnx_dir(path):
+        raise ValueError(f"--model {path} is not an ONNX export (no 'onnx' section in its config.json); "
+                         f"serve it with --runtime torch or hybrid (exported into the cache once), or run "
+                         f"`yoso-train export-onnx --model {path} --out DIR` and serve DIR")
+    import_onnxruntime()
+    exported = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))["onnx"]["hashes"]
+    if hashes is not None and hashes != AUTO:
+        resolve_hashes(None, hashes, source="setting", fixed=exported)
+
+
+def check_hybrid_serving(hashes: int | str | None = None) -> None:
+    """What ``--runtime hybrid`` needs at start: onnxruntime and onnx (the exporter writes with it)
+    importable, and a served count (``hashes``, if given) other than exact 0. Raises ValueError
+    saying how to fix each."""
+    try:
+        importlib.import_module("onnxruntime")
+    except ImportError:
+        missing = ["onnxruntime"]
+    else:
+        missing = []
+    if importlib.util.find_spec("onnx") is None:
+        missing.append("onnx")
+    if missing:
+        raise ValueError(f"--runtime hybrid needs {' and '.join(missing)}: pip install 'yoso-serve[onnx]' "
+                         "('yoso-serve[onnx-gpu]' on CUDA), or use --runtime torch (the default, auto, serves torch)")
+    if hashes == 0:
+        raise ValueError("--runtime hybrid with --hashes 0: the exact (YOSO-E) ONNX graph is not chunked "
+                         "(O(N²) memory) and is not served; use --runtime torch, or set --hashes to an LSH count")
+
+
+def load_served_model(settings: ServeSettings) -> LoadedModel:
+    """Load ``settings.model`` (or the bundled default) for the runtime ``settings.runtime`` resolves to.
+
+    With ``hybrid`` this exports the model into the cache when no export is there yet (seconds for
+    the default model), so it runs before the server turns ready; any failure raises.
+    """
+    from yoso_serve.model import default_model_dir, load_pretrained
+    from yoso_serve.model.onnx_runtime import load_onnx
+
+    device = settings.resolved_device()
+    if settings.runtime == "onnx":  # settings checked that --model is an exported directory
+        return LoadedModel(load_onnx(settings.model, device=device), "onnx", "--runtime onnx")
+    path = Path(settings.model or default_model_dir())
+    model = load_pretrained(path, device=device)
+    if settings.runtime == "torch":
+        return LoadedModel(model, "torch", "--runtime torch")
+    if settings.runtime == "hybrid":
+        # auto serves the model's count from ONNX: its exact switch is torch-only (model/hashes.py)
+        served = resolve_hashes(model.config, settings.hashes, source="setting", n_tokens=model.config.max_length)
+        return _load_hybrid(model, path, served, device)
+    reason = AUTO_REASONS[device]
+    log.info("runtime torch: %s", reason)
+    return LoadedModel(model, "torch", reason)
+
+
+def _load_hybrid(model, path: Path, served: int, device: str) -> LoadedModel:
+    """``model`` (loaded from ``path``) behind ONNX Runtime at ``served`` hashes; raises what blocks it."""
+    from yoso_serve.model.export import check_exportable
+    from yoso_serve.model.export_cache import cached_export, onnx_cache_dir
+    from yoso_serve.model.hybrid import HybridEncoderModel
+    from yoso_serve.model.onnx_runtime import load_onnx
+
+    try:
+        check_exportable(model.config)
+    except ValueError as exc:
+        raise ValueError(f"--runtime hybrid: {exc}; use --runtime torch for this model") from None
+    if served == 0:
+        raise ValueError("--runtime hybrid: the served hash count is 0 (exact YOSO-E), whose ONNX graph is not "
+                         "chunked (O(N²) memory); set --hashes to an LSH count or use --runtime torch")
+    try:
+        export = cached_export(model, path, served)
+    except Exception as exc:
+        raise RuntimeError(f"--runtime hybrid: the ONNX export at {served} hashes could not be prepared in "
+                           f"{onnx_cache_dir()} ({type(exc).__name__}: {exc}); point YOSO_CACHE_DIR at a "
+                           "writable folder or write the export ahead of time with `yoso-serve --prepare "
+                           "--runtime hybrid`, or use --runtime torch") from exc
+    hybrid = HybridEncoderModel(model, load_onnx(export, device=device))
+    reason = (f"--runtime hybrid: ONNX Runtime for the served {served} hashes, torch for any other count; "
+              f"export {export}")
+    log.info("runtime hybrid: %s", reason)
+    return LoadedModel(hybrid, "hybrid", reason, export)

@@ -1,0 +1,69 @@
+"""Helpers shared by several test folders: random hash codes, the fp32 comparison, the tiny configs.
+
+Importable as ``yoso_testkit`` (pytest puts tests/support, and only it, on ``sys.path``: see
+``pythonpath`` in pyproject.toml). Conftests cannot be imported under ``--import-mode=importlib``, so
+what more than one folder needs lives here, once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from yoso_serve.model import EncoderConfig, EncoderModel
+
+# A two-layer YOSO encoder small enough for a forward in milliseconds: 16 hashes of 6 bits.
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=128,
+    type_vocab_size=2,
+    hash_code_len=6,
+    num_hash=16,
+    pad_token_id=0,
+)
+
+
+def tiny_config(**overrides) -> EncoderConfig:
+    return EncoderConfig(**{**TINY, **overrides})
+
+
+def tiny_model(seed: int = 0, *, with_classifier: bool = False, with_mlm: bool = False, **overrides) -> EncoderModel:
+    torch.manual_seed(seed)
+    return EncoderModel(tiny_config(**overrides), with_classifier=with_classifier, with_mlm=with_mlm).eval()
+
+
+def random_ids(lengths: list[int], *, vocab: int = TINY["vocab_size"], seed: int = 0) -> list[list[int]]:
+    """Token ids avoiding 0 (the pad id), one list per length."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad → input_ids (B, N) int64 and attention_mask (B, N) int64."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = 1
+    return ids, mask
+
+
+def random_codes(gen: torch.Generator | int, bh: int, m: int, n: int, hash_bits: int,
+                 mask_frac: float = 0.2) -> torch.Tensor:
+    """(BH, m, N) int32 codes in [0, 2^τ); a fraction of tokens masked (-1 in every hash).
+    ``gen``: a generator, or a seed for a fresh one."""
+    if isinstance(gen, int):
+        gen = torch.Generator().manual_seed(gen)
+    codes = torch.randint(0, 1 << hash_bits, (bh, m, n), generator=gen, dtype=torch.int32)
+    masked = torch.rand(bh, 1, n, generator=gen) < mask_frac
+    return codes.masked_fill(masked, -1)
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:
+    """fp32 elementwise, relative to the largest entry (sums of many fp32 terms in another order)."""
+    scale = max(1.0, expected.abs().max().item())
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=rtol, atol=rtol * scale)
