@@ -1,9 +1,11 @@
 """YOSO attention operators (import as ``yoso_serve.kernels``)."""
 
 if __name__ != "yoso_serve.kernels":  # a checkout on sys.path, imported as top-level `kernels`
-    from _yoso_serve_checkout import step_aside
+    import os
+    import runpy
 
-    step_aside(__name__, __file__)
+    guard = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "kernels", "_checkout.py")
+    runpy.run_path(guard)["step_aside"](__name__, __file__)
 else:
     from ._build import backend_info
     from .hashing import hash_codes, hash_codes_ref

@@ -1,9 +1,11 @@
 """The YOSO encoder, its checkpoints and conversion (import as ``yoso_serve.model``)."""
 
 if __name__ != "yoso_serve.model":  # a checkout on sys.path, imported as top-level `model`
-    from _yoso_serve_checkout import step_aside
+    import os
+    import runpy
 
-    step_aside(__name__, __file__)
+    guard = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "kernels", "_checkout.py")
+    runpy.run_path(guard)["step_aside"](__name__, __file__)
 else:
     from .checkpoint import CheckpointError, load_pretrained, save_pretrained
     from .config import EncoderConfig

@@ -1,9 +1,11 @@
 """The HTTP inference service (import as ``yoso_serve.service``)."""
 
 if __name__ != "yoso_serve.service":  # a checkout on sys.path, imported as top-level `service`
-    from _yoso_serve_checkout import step_aside
+    import os
+    import runpy
 
-    step_aside(__name__, __file__)
+    guard = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "kernels", "_checkout.py")
+    runpy.run_path(guard)["step_aside"](__name__, __file__)
 else:
     from .app import create_app
     from .engine import Engine

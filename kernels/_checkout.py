@@ -8,10 +8,12 @@ A folder imported under such a name calls :func:`step_aside`, which hands the na
 real distribution if one is installed, and otherwise leaves an empty namespace-like module
 (no ``__file__``) that import probes such as transformers' treat as "not installed".
 
-This module lives at the checkout's root, beside the three folders, and needs nothing installed:
-a folder can only be imported under its bare name when this root is on ``sys.path``, so the guard
-is always importable then, and all three folders behave alike whether or not yoso-serve is
-installed. It is not part of the installed package, which never needs it.
+The three folders run this file by its path (``runpy.run_path``), never by importing it through a
+package: under its bare name, ``kernels`` itself is the name being handed over, so a guard imported
+as ``kernels._checkout`` would vanish with it. Run by path it needs nothing installed and belongs
+to no package, so all three folders behave alike whether or not yoso-serve is installed (the top
+level of the checkout is fixed, so the file sits in ``kernels/``; the installed package never
+uses it).
 """
 
 from __future__ import annotations
