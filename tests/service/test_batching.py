@@ -20,6 +20,7 @@ from yoso_serve.service.scheduler import BatchScheduler, OutputKind, WorkItem
 class Q:
     length: int
     group: tuple = (32, "embed", None)
+    enqueued: float = 0.0
 
 
 def plan(lengths_or_items, tokens=100, requests=8, padding=None):
@@ -88,6 +89,23 @@ def test_padding_limit_counts_the_padding_an_item_adds_to_every_row():
     assert plan([50, 50, 51, 50], tokens=1000, padding=0).indices == [0, 1, 3]
     with pytest.raises(ValueError, match="max_padding_tokens"):
         plan([1], padding=-1)
+
+
+def test_an_input_passed_over_is_overtaken_only_by_inputs_that_arrived_soon_after_it():
+    # the 2000-token document cannot join the 100-token head; short texts that arrived within the
+    # window after it may still pass it, later ones wait: the admission's wait prediction counts
+    # the work queued ahead of a request, in order
+    queue = [Q(100, enqueued=0.0), Q(2000, enqueued=0.1), Q(100, enqueued=0.3), Q(100, enqueued=5.0)]
+    p = plan_batch(queue, max_batch_tokens=10000, max_batch_requests=8, max_padding_tokens=64, join_window=0.5)
+    assert p.indices == [0, 2]
+    p = plan_batch(queue, max_batch_tokens=10000, max_batch_requests=8, max_padding_tokens=64, join_window=10.0)
+    assert p.indices == [0, 2, 3]
+    # another group passed over counts too
+    other = [Q(100, enqueued=0.0), Q(100, (0, "embed", None), enqueued=0.1), Q(100, enqueued=5.0)]
+    assert plan_batch(other, max_batch_tokens=10000, max_batch_requests=8, join_window=0.5).indices == [0]
+    # nothing passed over: no window, however far apart the arrivals
+    same = [Q(100, enqueued=0.0), Q(100, enqueued=3.0), Q(100, enqueued=9.0)]
+    assert plan_batch(same, max_batch_tokens=10000, max_batch_requests=8, join_window=0.5).indices == [0, 1, 2]
 
 
 def test_invalid_budget_is_a_value_error():
