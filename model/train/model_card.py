@@ -233,7 +233,7 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         "PostgreSQL documentation (never trained on):", "",
         *_retrieval_table(transfer, before), "",
         "Held-out pages of the training sources:", "",
-        *_retrieval_table(heldout, None), "",
+        *(_retrieval_table(heldout, None) if heldout else ["Not measured for this model (`retrieval-heldout`)."]), "",
         "## Short retrieval: the first sentence of a paragraph → the rest of it", "",
         *_short_table({"PostgreSQL": transfer, "held-out pages": heldout}), "",
         f"Targets on the PostgreSQL documents: deep recall@1 at least the windowed teacher's + {DEEP_MARGIN}: "

@@ -115,7 +115,7 @@ def test_a_pipeline_started_from_a_bundle_reports_its_earlier_stages_from_the_bu
         {"distill": (40, 30.5, 2), "refine": (12, 5.0, 1), "longdoc": (30, 10.0, 1)}
     # another machine: only the bundle (as the starting model) and a new long-document run
     again = _work(tmp_path / "again", tiny_yoso, student_recall=0.8, refined_recall=0.75)
-    for name in ("distill", "refine"):
+    for name in ("distill", "refine", "retrieval-heldout"):
         shutil.rmtree(again / name)
     shutil.copytree(target, again / "refine" / "model")
     assert bundle(again, tmp_path / "bundled2" / "yoso-test")
@@ -123,6 +123,7 @@ def test_a_pipeline_started_from_a_bundle_reports_its_earlier_stages_from_the_bu
     assert "1. distill (seed 0): the converted teacher trained 40 optimizer steps (batch 16 × 1, lr 0.00015) " \
            "in 30.5 minutes of wall-clock time over 2 session(s)" in card
     assert "12 optimizer steps (batch 16 × 1, lr 5e-05, the convolution at 40× that) in 5.0 minutes" in card
+    assert "Not measured for this model (`retrieval-heldout`)." in card  # a skipped eval is said, not hidden
     # without the record, the card says which stage it cannot report instead of inventing it
     (again / "refine" / "model" / "training.json").unlink()
     with pytest.raises(FileNotFoundError, match="no record of stage 'distill'"):
