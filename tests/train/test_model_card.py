@@ -32,9 +32,10 @@ def _deep(student: float, refined: float | None = None) -> list[dict]:
     return rows
 
 
-def _work(tmp_path: Path, model: Path, student_recall: float, refined_recall: float, short: float = 0.9) -> Path:
+def _work(tmp_path: Path, model: Path, student_recall: float, refined_recall: float, short: float = 0.9,
+          stage3_recall: float = 0.5) -> Path:
     work = tmp_path / "work"
-    shutil.copytree(model, work / "longdoc" / "model")  # the final model is stage three's
+    shutil.copytree(model, work / "longdoc2" / "model")  # the final model is stage four's
     common = {"train_hashes": "0,32", "batch_size": 16, "grad_accum": 1, "max_minutes": 30.0, "teacher": "/teacher"}
     (work / "distill").mkdir()
     (work / "refine").mkdir()
@@ -48,11 +49,18 @@ def _work(tmp_path: Path, model: Path, student_recall: float, refined_recall: fl
     (work / "distill" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     events = [{"event": "start", "time": 6000.0, "step": 0}, {"event": "stop", "time": 6300.0, "step": 12}]
     (work / "refine" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (work / "longdoc").mkdir()
     (work / "longdoc" / "config.json").write_text(json.dumps(
         {**common, "seed": 0, "lr": 3e-5, "batch_size": 4, "spans_per_doc": 4, "queue": 128, "short_pairs": 16,
          "curriculum": "1024:0.35,2048:0.7,4096:1", "doc_hashes": "32", "query_hashes": "0"}))
     events = [{"event": "start", "time": 7000.0, "step": 0}, {"event": "stop", "time": 7600.0, "step": 30}]
     (work / "longdoc" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (work / "longdoc2").mkdir(exist_ok=True)
+    (work / "longdoc2" / "config.json").write_text(json.dumps(
+        {**common, "seed": 1, "lr": 2e-5, "batch_size": 4, "spans_per_doc": 4, "queue": 1024, "short_pairs": 32,
+         "curriculum": "4096:1", "doc_hashes": "32", "query_hashes": "0", "temperature": 0.03, "w_distill": 2.0}))
+    events = [{"event": "start", "time": 8000.0, "step": 0}, {"event": "stop", "time": 8900.0, "step": 50}]
+    (work / "longdoc2" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     (work / "longdoc-data").mkdir()
     (work / "longdoc-data" / "counts.json").write_text(json.dumps(
         {"train_docs": 50, "train_tokens": 1.5e6, "train_by_source": {"linux": 30, "python": 20},
@@ -60,7 +68,7 @@ def _work(tmp_path: Path, model: Path, student_recall: float, refined_recall: fl
     shorts = [{"method": "student", "pairs": 40, "recall_at_1": short, "mrr_at_10": 0.95},
               {"method": "teacher", "pairs": 40, "recall_at_1": 0.9, "mrr_at_10": 0.95}]
     for name, recall in (("retrieval-transfer", student_recall), ("retrieval-heldout", student_recall),
-                         ("retrieval-refined", refined_recall)):
+                         ("retrieval-refined", refined_recall), ("retrieval-longdoc", stage3_recall)):
         (work / name).mkdir()
         (work / name / "results.json").write_text(json.dumps({"deep_retrieval": _deep(recall),
                                                               "short_retrieval": shorts}))
@@ -87,13 +95,17 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert "| teacher, 240-token windows averaged | 300 | 0.660 | 0.700 | 3.00 |" in card
     assert "deep recall@1 at least the windowed teacher's + 0.05: not met" in card
     assert "short recall@1 at least 0.97 × the teacher's: met" in card
-    assert "improves deep retrieval on the source kept out over the refined model: no" in card
+    assert "| stage 3's model, one pass | 300 | 0.500 | 0.550 | 2.00 |" in card
+    assert "improves deep retrieval on the source kept out over every earlier stage measured: no" in card
     assert "1. distill (seed 0): the converted teacher trained 40 optimizer steps (batch 16 × 1, lr 0.00015) " \
            "in 30.5 minutes of wall-clock time over 2 session(s)" in card
     assert "2. refine (seed 1): a YOSO-C depthwise convolution over the values (width 33" in card
     assert "12 optimizer steps (batch 16 × 1, lr 5e-05, the convolution at 40× that) in 5.0 minutes" in card
     assert "3. longdoc (seed 0): 30 optimizer steps of 4 documents" in card and "in 10.0 minutes" not in card
     assert "10.0 minutes over 1 session(s)" in card
+    assert "4. longdoc2 (seed 1): stage 3 continued for 50 optimizer steps on crops of 4096:1" in card
+    assert "a queue of 1024 documents, a starting temperature of 0.03, 32 short pairs" in card
+    assert "15.0 minutes over 1 session(s)" in card and "yoso-train longdoc --model" in card
     assert "--conv-window 33 --conv-lr-scale 40" in card and "yoso-train longdoc --model" in card
     assert "| 32 | 0.9180 | 0.8180 |" in card  # agreement is still reported
 
@@ -104,6 +116,9 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert "deep recall@1 at least the windowed teacher's + 0.05: met" in card
     assert "short recall@1 at least 0.97 × the teacher's: not met" in card  # 0.85 < 0.97 × 0.9
     assert load_pretrained(target).config.hidden_size == 32
+    # beating the refined model is not enough when stage three did better than the final model
+    assert not bundle(_work(tmp_path / "worse", tiny_yoso, student_recall=0.70, refined_recall=0.62,
+                            stage3_recall=0.72), tmp_path / "bundled-worse" / "yoso-test")
 
 
 def test_a_pipeline_started_from_a_bundle_reports_its_earlier_stages_from_the_bundles_record(tiny_yoso, tmp_path):
@@ -112,7 +127,7 @@ def test_a_pipeline_started_from_a_bundle_reports_its_earlier_stages_from_the_bu
     assert bundle(first, target)
     record = json.loads((target / "training.json").read_text())["stages"]
     assert {k: (v["steps"], v["minutes"], v["sessions"]) for k, v in record.items()} == \
-        {"distill": (40, 30.5, 2), "refine": (12, 5.0, 1), "longdoc": (30, 10.0, 1)}
+        {"distill": (40, 30.5, 2), "refine": (12, 5.0, 1), "longdoc": (30, 10.0, 1), "longdoc2": (50, 15.0, 1)}
     # another machine: only the bundle (as the starting model) and a new long-document run
     again = _work(tmp_path / "again", tiny_yoso, student_recall=0.8, refined_recall=0.75)
     for name in ("distill", "refine", "retrieval-heldout"):
@@ -152,9 +167,16 @@ def test_pipeline_waits_for_a_stage_stopped_by_its_time_limit(tmp_path, monkeypa
     (work / "longdoc").mkdir()
     (work / "longdoc" / "metrics.jsonl").write_text(json.dumps({**stop, "reason": "done"}) + "\n")
     calls.clear()
+    assert default_model.main(["all", "--work", str(work), "--minutes", "1"]) == 0
+    assert calls[-1] == str(work / "longdoc2")  # stage four starts after stage three finished, then waits
+
+    (work / "longdoc2").mkdir()
+    (work / "longdoc2" / "metrics.jsonl").write_text(json.dumps({**stop, "reason": "done"}) + "\n")
+    calls.clear()
     monkeypatch.setattr("yoso_serve.model.train.model_card.bundle", lambda *a: calls.append("bundle"))
     assert default_model.main(["all", "--work", str(work)]) == 0
-    assert calls[:4] == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc")]
-    assert calls[4:9] == [str(work / n) for n in ("eval-converted", "eval-student", "retrieval-transfer",
-                                                  "retrieval-heldout", "retrieval-refined")]
-    assert calls[-1] == "bundle" and len(calls) == 12  # + topics-teacher, topics-student
+    assert calls[:5] == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc"),
+                         str(work / "longdoc2")]
+    assert calls[5:11] == [str(work / n) for n in ("eval-converted", "eval-student", "retrieval-transfer",
+                                                   "retrieval-heldout", "retrieval-refined", "retrieval-longdoc")]
+    assert calls[-1] == "bundle" and len(calls) == 14  # + topics-teacher, topics-student
