@@ -283,7 +283,7 @@ class Engine:
             "limits": {k: getattr(s, k) for k in (
                 "max_batch_tokens", "max_batch_requests", "max_wait_ms", "max_queue_tokens",
                 "max_client_batch_size", "payload_limit", "request_timeout", "chunk_overlap")}
-            | {"max_padding_tokens": s.padding_limit(self.device)},
+            | {"max_padding_tokens": None if self.scheduler is None else self.scheduler.max_padding_tokens},
         }
 
     # --- internals --------------------------------------------------------------------

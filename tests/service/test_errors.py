@@ -197,6 +197,7 @@ def test_503_while_loading_and_while_draining(tiny_dir, serve):
         async with serve(tiny_dir, wait_ready=False, chunk_overlap=16,
                          load_model=slow_loader(tiny_dir, 0.0, gate=gate)) as c:
             loading = [await c.get("/ready"), await c.post("/embed", json={"inputs": "hi"}), await c.get("/health")]
+            info_loading = await c.get("/info")
             tei = [await c.post(path, json=body) for path, body in [
                 ("/", {"inputs": "hi"}), ("/rerank", {"query": "q", "texts": ["a"]}), ("/decode", {"ids": [101]})]]
             early_doc = (await c.get("/openapi.json")).json()
@@ -206,10 +207,13 @@ def test_503_while_loading_and_while_draining(tiny_dir, serve):
             late_doc = (await c.get("/openapi.json")).json()
             c.app.state.engine.begin_drain()
             draining = [await c.get("/ready"), await c.post("/embed", json={"inputs": "hi"}), await c.get("/health")]
-            return loading, tei, early_doc, late_doc, ready, draining
+            return loading, info_loading, tei, early_doc, late_doc, ready, draining
 
-    loading, tei, early_doc, late_doc, ready, draining = asyncio.run(main())
+    loading, info_loading, tei, early_doc, late_doc, ready, draining = asyncio.run(main())
     assert "loading" in error_of(loading[0], 503)["message"] and error_of(loading[1], 503)["code"] == "not_ready"
+    # /info answers while loading; what depends on the device is not known yet
+    assert info_loading.status_code == 200 and info_loading.json()["state"] == "loading"
+    assert info_loading.json()["limits"]["max_padding_tokens"] is None
     assert all(error_of(r, 503)["code"] == "not_ready" for r in tei)
     # /openapi.json knows the model's limits only once it is loaded (and is not cached before)
     assert root_bodies(early_doc) == 4 and "/predict" in early_doc["paths"]
