@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from yoso_serve.kernels.finish import attention_finish_ref
 from yoso_serve.kernels.hashing import _projection
 
 from .checkpoint import load_pretrained
@@ -143,9 +144,9 @@ class OnnxSelfAttention(nn.Module):
         else:
             context = exact_cumulate_onnx(q.reshape(b * h, n, d), k.reshape(b * h, n, d), v.reshape(b * h, n, d),
                                           keep_heads, self.hash_bits)
-        context = F.normalize(context.view(b, h, n, d), p=2.0, dim=-1)  # N-YOSO
-        if att.conv is not None:
-            context = context + att.conv(v_masked)
+        # N-YOSO's norm, then YOSO-C over the values already masked: the served layer's own formula
+        context = attention_finish_ref(context.view(b, h, n, d), v_masked,
+                                       None if att.conv is None else att.conv.weight, None)
         return context.transpose(1, 2).reshape(b, n, h * d)  # (B, N, hidden)
 
 
