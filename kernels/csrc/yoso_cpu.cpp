@@ -29,13 +29,23 @@ void register_fused_ops(pybind11::module_& m);
 // The N-YOSO norm and YOSO-C convolution after the op, in place (yoso_cpu_finish.cpp).
 void register_finish_ops(pybind11::module_& m);
 
-// One tensor check for every binding of the extension (yoso_cpu_fused.cpp declares it too).
+// One tensor check for every binding of the extension (yoso_cpu_fused.cpp and yoso_cpu_finish.cpp
+// declare it too).
 void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
   TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", c10::toString(dtype), ", got ",
               c10::toString(t.scalar_type()));
   TORCH_CHECK(t.dim() == rank, name, " must have rank ", rank, ", got shape ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// A (B, H, N, D) fp32 CPU view whose last dimension has unit stride (a head split needs no copy);
+// the fused ops and the layer's finish read such views as they are.
+void check_view(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be Float, got ", c10::toString(t.scalar_type()));
+  TORCH_CHECK(t.dim() == 4, name, " must have rank 4 (B, H, N, D), got shape ", t.sizes());
+  TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, name, " must have unit stride along D, got strides ", t.strides());
 }
 
 namespace {

@@ -19,8 +19,10 @@
 #include <cmath>
 #include <vector>
 
-// Defined in yoso_cpu.cpp: device, dtype, rank and contiguity, with messages that name the limit.
+// Defined in yoso_cpu.cpp: device, dtype, rank and contiguity (or, for a view, unit stride along D),
+// with messages that name the limit.
 void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank);
+void check_view(const torch::Tensor& t, const char* name);
 
 namespace {
 
@@ -87,17 +89,10 @@ void finish_rows(const Rows& r, int64_t i0, int64_t i1, bool normalize, float ep
   }
 }
 
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be Float, got ", c10::toString(t.scalar_type()));
-  TORCH_CHECK(t.dim() == 4, name, " must have rank 4 (B, H, N, D), got shape ", t.sizes());
-  TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, name, " must have unit stride along D, got strides ", t.strides());
-}
-
 void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::optional<torch::Tensor>& weight,
                       const c10::optional<torch::Tensor>& keep, bool normalize, double eps) {
-  check_rows(out, "out");
-  check_rows(v, "v");
+  check_view(out, "out");
+  check_view(v, "v");
   TORCH_CHECK(v.sizes() == out.sizes(), "v must have out's shape (B, H, N, D) ", out.sizes(), ", got ", v.sizes());
   TORCH_CHECK(eps > 0, "eps must be positive, got ", eps);
   const int64_t batch = out.size(0), heads = out.size(1), n = out.size(2), d = out.size(3);

@@ -19,20 +19,14 @@
 #include "yoso_cpu.h"
 #include "yoso_cpu_simd.h"
 
-// Defined in yoso_cpu.cpp: device, dtype, rank and contiguity, with messages that name the limit.
+// Defined in yoso_cpu.cpp: device, dtype, rank and contiguity (or, for a view, unit stride along D),
+// with messages that name the limit.
 void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank);
+void check_view(const torch::Tensor& t, const char* name);
 
 namespace {
 
 using yoso::kMaxHashBits;
-
-// A (B, H, N, D) fp32 CPU view whose last dimension has unit stride (a head split needs no copy).
-void check_view(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be Float, got ", c10::toString(t.scalar_type()));
-  TORCH_CHECK(t.dim() == 4, name, " must have rank 4 (B, H, N, D), got shape ", t.sizes());
-  TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, name, " must have unit stride along D, got strides ", t.strides());
-}
 
 // q, k, v (B, H, N, D|Dv) views and keep (B, N) bool or None -> params with strides and an output
 // allocated as (B, N, H, Dv), returned as its (B, H, N, Dv) view so the heads merge without a copy.
