@@ -86,6 +86,27 @@ void build_value_table(const int32_t* codes, const float* v, int64_t ldv, int64_
   }
 }
 
+// The same table for a head width known at compile time (32, 64): the row add unrolls into whole
+// vectors. The same adds in the same order as build_value_table, so the same bits.
+template <int DV>
+YOSO_SIMD_CLONES void build_value_table_fixed(const int32_t* codes, const float* v, int64_t ldv, int64_t nk,
+                                              int32_t* slot_of, float* table) {
+  int32_t used = 0;
+  for (int64_t j = 0; j < nk; ++j) {
+    const int32_t c = codes[j];
+    if (c < 0) continue;
+    int32_t s = slot_of[c];
+    float* __restrict row = table + int64_t(s < 0 ? used : s) * DV;
+    const float* __restrict x = v + j * ldv;
+    if (s < 0) {
+      slot_of[c] = used++;
+      for (int d = 0; d < DV; ++d) row[d] = x[d];
+    } else {
+      for (int d = 0; d < DV; ++d) row[d] += x[d];
+    }
+  }
+}
+
 void clear_slots(const int32_t* codes, int64_t nk, int32_t* slot_of) {
   for (int64_t j = 0; j < nk; ++j)
     if (codes[j] >= 0) slot_of[codes[j]] = -1;
@@ -106,6 +127,28 @@ void gather_block(const int32_t* qc, int64_t nq, int64_t dv, int64_t buckets, in
     }
   }
   simd::gather_rows(ptrs, i1 - i0, hn, dv, out + i0 * ldo, ldo, scale);
+}
+
+// gather_block for a head width known at compile time: each row reads its codes and slots directly
+// (no pointer list) and keeps its sum in registers. Same adds, same order, same scale: same bits.
+template <int DV>
+YOSO_SIMD_CLONES void gather_block_fixed(const int32_t* qc, int64_t nq, int64_t buckets, int64_t h0, int64_t hn,
+                                         const int32_t* slot_of, const float* tables, int64_t slots, float* out,
+                                         int64_t i0, int64_t i1, int64_t ldo, float scale) {
+  for (int64_t i = i0; i < i1; ++i) {
+    float* __restrict o = out + i * ldo;
+    float acc[DV];
+    for (int d = 0; d < DV; ++d) acc[d] = o[d];
+    for (int64_t t = 0; t < hn; ++t) {
+      const int32_t c = qc[(h0 + t) * nq + i], s = c < 0 ? -1 : slot_of[t * buckets + c];
+      if (s < 0) continue;
+      const float* __restrict row = tables + (t * slots + s) * DV;
+      for (int d = 0; d < DV; ++d) acc[d] += row[d];
+    }
+    if (scale != 1.f)
+      for (int d = 0; d < DV; ++d) acc[d] *= scale;
+    for (int d = 0; d < DV; ++d) o[d] = acc[d];
+  }
 }
 
 // Keys of one hash grouped by bucket (a counting sort that keeps j increasing in a bucket).
@@ -207,13 +250,30 @@ void cumulate_one(const CumulateParams& p, const int32_t* qc, const int32_t* kc,
       const int64_t hn = std::min(ws.group, p.m - h0);
       const float scale = h0 + hn == p.m ? 1.f / float(p.m) : 1.f;
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < hn; ++t)
-        build_value_table(kc + (h0 + t) * p.nk, v, ldv, p.nk, p.dv, ws.slot_of.data() + t * p.buckets,
-                          ws.tables.data() + t * ws.slots * p.dv);
+      for (int64_t t = 0; t < hn; ++t) {
+        const int32_t* codes = kc + (h0 + t) * p.nk;
+        int32_t* slot_of = ws.slot_of.data() + t * p.buckets;
+        float* table = ws.tables.data() + t * ws.slots * p.dv;
+        if (p.dv == 32)
+          build_value_table_fixed<32>(codes, v, ldv, p.nk, slot_of, table);
+        else if (p.dv == 64)
+          build_value_table_fixed<64>(codes, v, ldv, p.nk, slot_of, table);
+        else
+          build_value_table(codes, v, ldv, p.nk, p.dv, slot_of, table);
+      }
 #pragma omp for schedule(static)
-      for (int64_t blk = 0; blk < blocks; ++blk)
-        gather_block(qc, p.nq, p.dv, p.buckets, h0, hn, ws.slot_of.data(), ws.tables.data(), ws.slots, out,
-                     blk * kRowBlock, std::min(p.nq, (blk + 1) * kRowBlock), ldo, scale, ptrs.data());
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t i0 = blk * kRowBlock, i1 = std::min(p.nq, (blk + 1) * kRowBlock);
+        if (p.dv == 32)
+          gather_block_fixed<32>(qc, p.nq, p.buckets, h0, hn, ws.slot_of.data(), ws.tables.data(), ws.slots, out,
+                                 i0, i1, ldo, scale);
+        else if (p.dv == 64)
+          gather_block_fixed<64>(qc, p.nq, p.buckets, h0, hn, ws.slot_of.data(), ws.tables.data(), ws.slots, out,
+                                 i0, i1, ldo, scale);
+        else
+          gather_block(qc, p.nq, p.dv, p.buckets, h0, hn, ws.slot_of.data(), ws.tables.data(), ws.slots, out, i0,
+                       i1, ldo, scale, ptrs.data());
+      }
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < hn; ++t) clear_slots(kc + (h0 + t) * p.nk, p.nk, ws.slot_of.data() + t * p.buckets);
     }

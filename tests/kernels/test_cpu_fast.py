@@ -33,9 +33,10 @@ def masked_codes(ext, x, proj, m, bits, keep):
     return codes.view(-1, m, x.shape[2])
 
 
-# (B, H, N, D, Dv, m, τ, padded tail): N = 1, 137, 300; D = 48, 7; τ = 1, 8, 12 (compact tables); padded tails
+# (B, H, N, D, Dv, m, τ, padded tail): N = 1, 137, 300; D = 48, 7, 32, 64; τ = 1, 8, 12 (compact tables); padded tails
 FUSED = [(2, 3, 137, 48, 48, 7, 6, 30), (1, 1, 1, 8, 8, 3, 8, 0), (1, 2, 300, 32, 17, 32, 8, 0),
-         (2, 1, 90, 7, 5, 4, 12, 60), (3, 2, 64, 16, 16, 5, 1, 10)]
+         (2, 1, 90, 7, 5, 4, 12, 60), (3, 2, 64, 16, 16, 5, 1, 10),
+         (2, 3, 300, 32, 32, 32, 8, 40), (1, 2, 70, 64, 64, 6, 10, 5)]  # Dv 32, 64: fixed-width bodies
 
 
 @pytest.mark.parametrize("case", FUSED, ids=lambda c: "b{}-h{}-n{}-d{}-dv{}-m{}-tau{}-pad{}".format(*c))
@@ -211,17 +212,18 @@ def test_portable_bodies_agree_with_the_avx2_ones(ext, tmp_path):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_fused_ops_read_head_split_views_and_write_merged_heads(ext, oracles):
+@pytest.mark.parametrize("dim", [48, 32])  # 32: the cumulation's fixed-width body, reading strided values
+def test_fused_ops_read_head_split_views_and_write_merged_heads(ext, oracles, dim):
     """(B, H, N, D) views of (B, N, H, D) memory go in without copies; the output is such a view,
     so merging heads is free; values equal those of contiguous inputs (and YOSO-E its oracle)."""
     gen = torch.Generator().manual_seed(11)
-    q, k, v = (torch.randn(2, 137, 3, 48, generator=gen).transpose(1, 2) for _ in range(3))
+    q, k, v = (torch.randn(2, 137, 3, dim, generator=gen).transpose(1, 2) for _ in range(3))
     keep = oracles.lengths_mask([137, 90], 137)
-    proj = _projection(3, 3, 8, 6, 48, True, torch.device("cpu"))
+    proj = _projection(3, 3, 8, 6, dim, True, torch.device("cpu"))
     dense = [t.contiguous() for t in (q, k, v)]
     for run in (lambda *x: ext.lsh_attention(*x, proj, keep, 8, 6), lambda *x: ext.exact_attention(*x, keep, 8)):
         got = run(q, k, v)
-        assert got.shape == (2, 3, 137, 48) and got.transpose(1, 2).is_contiguous()
+        assert got.shape == (2, 3, 137, dim) and got.transpose(1, 2).is_contiguous()
         assert torch.equal(got, run(*dense))
     expected = oracles.naive_yoso_e(q, k, v, keep, 8)
     torch.testing.assert_close(ext.exact_attention(q, k, v, keep, 8).double(), expected, rtol=1e-4, atol=1e-5)
