@@ -49,8 +49,9 @@ class ServeSettings(BaseSettings):
                                            "add to a batch (a forward's fixed cost, counted in tokens); "
                                            "an input that would add more waits for a batch nearer its "
                                            "length. Default: 64 on CPU (measured), 2048 on CUDA.")
-    max_wait_ms: float = Field(2.0, ge=0, description="How long the batcher waits for a fuller "
-                               "batch once the oldest item is queued.")
+    max_wait_ms: float = Field(0.0, ge=0, description="How long an idle batcher waits for a fuller "
+                               "batch once the oldest item is queued. 0: run what is queued at once (inputs "
+                               "that arrive during a forward batch together anyway).")
     max_queue_tokens: int = Field(262144, ge=1, description="Queued tokens above which new "
                                   "requests get 429 with Retry-After (a hard cap under the "
                                   "admission by predicted wait).")
