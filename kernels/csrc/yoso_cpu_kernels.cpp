@@ -15,6 +15,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 // Hot loops are compiled twice, for AVX2+FMA (x86-64-v3) and for the baseline, and the loader
@@ -68,10 +69,13 @@ inline float dot_row(const float* __restrict a, const float* __restrict b, int64
   return s;
 }
 
-// Sum V rows per occupied bucket of one hash; slots are numbered by first key to arrive.
-YOSO_SIMD_CLONES
-void build_value_table(const int32_t* codes, const float* v, int64_t ldv, int64_t nk, int64_t dv, int32_t* slot_of,
-                       float* table) {
+// Sum V rows per occupied bucket of one hash; slots are numbered by first key to arrive. kDv is the
+// value width when known at compile time (32, 64: the row add unrolls into whole vectors), 0 when it
+// is dv; every instance does the same adds in the same order, so the same bits.
+template <int kDv>
+YOSO_SIMD_CLONES void build_value_table(const int32_t* codes, const float* v, int64_t ldv, int64_t nk, int64_t dv,
+                                        int32_t* slot_of, float* table) {
+  const int64_t width = kDv > 0 ? kDv : dv;
   int32_t used = 0;
   for (int64_t j = 0; j < nk; ++j) {
     const int32_t c = codes[j];
@@ -79,30 +83,9 @@ void build_value_table(const int32_t* codes, const float* v, int64_t ldv, int64_
     int32_t s = slot_of[c];
     if (s < 0) {
       slot_of[c] = s = used++;
-      std::copy(v + j * ldv, v + j * ldv + dv, table + int64_t(s) * dv);
+      std::copy(v + j * ldv, v + j * ldv + width, table + int64_t(s) * width);
     } else {
-      add_row(table + int64_t(s) * dv, v + j * ldv, dv);
-    }
-  }
-}
-
-// The same table for a head width known at compile time (32, 64): the row add unrolls into whole
-// vectors. The same adds in the same order as build_value_table, so the same bits.
-template <int DV>
-YOSO_SIMD_CLONES void build_value_table_fixed(const int32_t* codes, const float* v, int64_t ldv, int64_t nk,
-                                              int32_t* slot_of, float* table) {
-  int32_t used = 0;
-  for (int64_t j = 0; j < nk; ++j) {
-    const int32_t c = codes[j];
-    if (c < 0) continue;
-    int32_t s = slot_of[c];
-    float* __restrict row = table + int64_t(s < 0 ? used : s) * DV;
-    const float* __restrict x = v + j * ldv;
-    if (s < 0) {
-      slot_of[c] = used++;
-      for (int d = 0; d < DV; ++d) row[d] = x[d];
-    } else {
-      for (int d = 0; d < DV; ++d) row[d] += x[d];
+      add_row(table + int64_t(s) * width, v + j * ldv, width);
     }
   }
 }
@@ -238,6 +221,18 @@ struct ValueTables {
   }
 };
 
+// Calls body(std::integral_constant<int, W>) with W = dv for the widths that have compiled-in bodies
+// (32, 64) and W = 0 (the width known only at run time) for any other.
+template <typename Body>
+void with_width(int64_t dv, Body body) {
+  if (dv == 32)
+    body(std::integral_constant<int, 32>{});
+  else if (dv == 64)
+    body(std::integral_constant<int, 64>{});
+  else
+    body(std::integral_constant<int, 0>{});
+}
+
 // One (batch*head): codes qc (m, nq), kc (m, nk), values v (nk, dv), out (nq, dv) zero on entry,
 // by a team of `team` threads (1: the calling thread alone, no barriers).
 void cumulate_one(const CumulateParams& p, const int32_t* qc, const int32_t* kc, const float* v, int64_t ldv,
@@ -250,29 +245,24 @@ void cumulate_one(const CumulateParams& p, const int32_t* qc, const int32_t* kc,
       const int64_t hn = std::min(ws.group, p.m - h0);
       const float scale = h0 + hn == p.m ? 1.f / float(p.m) : 1.f;
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < hn; ++t) {
-        const int32_t* codes = kc + (h0 + t) * p.nk;
-        int32_t* slot_of = ws.slot_of.data() + t * p.buckets;
-        float* table = ws.tables.data() + t * ws.slots * p.dv;
-        if (p.dv == 32)
-          build_value_table_fixed<32>(codes, v, ldv, p.nk, slot_of, table);
-        else if (p.dv == 64)
-          build_value_table_fixed<64>(codes, v, ldv, p.nk, slot_of, table);
-        else
-          build_value_table(codes, v, ldv, p.nk, p.dv, slot_of, table);
-      }
+      for (int64_t t = 0; t < hn; ++t)
+        with_width(p.dv, [&](auto width) {
+          constexpr int kWidth = decltype(width)::value;
+          build_value_table<kWidth>(kc + (h0 + t) * p.nk, v, ldv, p.nk, p.dv, ws.slot_of.data() + t * p.buckets,
+                                    ws.tables.data() + t * ws.slots * p.dv);
+        });
 #pragma omp for schedule(static)
       for (int64_t blk = 0; blk < blocks; ++blk) {
         const int64_t i0 = blk * kRowBlock, i1 = std::min(p.nq, (blk + 1) * kRowBlock);
-        if (p.dv == 32)
-          gather_block_fixed<32>(qc, p.nq, p.buckets, h0, hn, ws.slot_of.data(), ws.tables.data(), ws.slots, out,
-                                 i0, i1, ldo, scale);
-        else if (p.dv == 64)
-          gather_block_fixed<64>(qc, p.nq, p.buckets, h0, hn, ws.slot_of.data(), ws.tables.data(), ws.slots, out,
-                                 i0, i1, ldo, scale);
-        else
-          gather_block(qc, p.nq, p.dv, p.buckets, h0, hn, ws.slot_of.data(), ws.tables.data(), ws.slots, out, i0,
-                       i1, ldo, scale, ptrs.data());
+        with_width(p.dv, [&](auto width) {
+          constexpr int kWidth = decltype(width)::value;
+          if constexpr (kWidth > 0)
+            gather_block_fixed<kWidth>(qc, p.nq, p.buckets, h0, hn, ws.slot_of.data(), ws.tables.data(), ws.slots, out,
+                                       i0, i1, ldo, scale);
+          else
+            gather_block(qc, p.nq, p.dv, p.buckets, h0, hn, ws.slot_of.data(), ws.tables.data(), ws.slots, out, i0,
+                         i1, ldo, scale, ptrs.data());
+        });
       }
 #pragma omp for schedule(static)
       for (int64_t t = 0; t < hn; ++t) clear_slots(kc + (h0 + t) * p.nk, p.nk, ws.slot_of.data() + t * p.buckets);
