@@ -166,6 +166,42 @@ def test_scheduler_batches_concurrent_items_and_keeps_order():
     assert seen == [[1, 2, 3]]  # one batch, sorted by length; outputs still matched to their items
 
 
+def test_without_a_wait_a_lone_input_runs_at_once_and_later_ones_batch_behind_the_forward():
+    """--max-wait-ms 0 (the default): the idle worker takes a lone input without waiting for company,
+    and the inputs that arrive while its forward runs go together in the next forward."""
+    gate, seen = threading.Event(), []
+
+    def forward(batch):
+        seen.append(sorted(it.length for it in batch))
+        if len(seen) == 1:
+            gate.wait(5)
+        return [it.length for it in batch]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        s = _scheduler(forward, max_wait_ms=0)
+        first = _items(loop, [5])
+        s.submit(first)
+        await asyncio.sleep(0.05)
+        assert seen == [[5]]  # running alone although 7 more inputs would fit
+        later = [_items(loop, [n])[0] for n in (6, 7, 8)]
+        for it in later:  # three requests, one input each, all during the first forward
+            s.submit([it])
+        gate.set()
+        results = await asyncio.gather(*(it.future for it in first + later))
+        s.close(5)
+        return results
+
+    assert asyncio.run(main()) == [5, 6, 7, 8]
+    assert seen == [[5], [6, 7, 8]]
+
+
+def test_default_batcher_wait_is_zero():
+    from yoso_serve.service.settings import ServeSettings
+
+    assert ServeSettings.model_fields["max_wait_ms"].default == 0.0
+
+
 def test_scheduler_keeps_inputs_of_far_apart_lengths_in_separate_batches():
     seen = []
 
