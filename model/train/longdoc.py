@@ -20,6 +20,7 @@ texts at ``--query-hashes``; one count of each list is drawn per step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -58,6 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh-hashes", action="store_true",
                    help="draw new hash projections each step (default: the served projections)")
     p.add_argument("--temperature", type=float, default=0.05, help="initial InfoNCE temperature (learned)")
+    p.add_argument("--temperature-lr-scale", type=float, default=1.0,
+                   help="learning rate of the temperature as a multiple of --lr (at the model's lr of ~2e-5 "
+                        "AdamW moves its log by ~lr per step, so it stays where it starts)")
+    p.add_argument("--neighbourhood", type=int, default=0,
+                   help="draw a step's documents from this many consecutive documents of one source in key "
+                        "order (parts of one page, pages of one section: hard negatives); 0 = the whole source")
     p.add_argument("--w-short", type=float, default=1.0, help="weight of the short-pair InfoNCE")
     p.add_argument("--w-distill", type=float, default=1.0, help="weight of 1 − cos(student, teacher) on short texts")
     p.add_argument("--save-fp16", action="store_true", help="store model/ in fp16 (the bundled format)")
@@ -92,7 +99,8 @@ class DocCorpus:
         by_source: dict[str, list[int]] = {}
         for i, r in enumerate(rows):
             by_source.setdefault(r["source"], []).append(i)
-        self.by_source = by_source
+        self.by_source = by_source  # in file order (the draws of existing runs depend on it)
+        self.in_key_order = {s: sorted(docs, key=lambda i: self.keys[i]) for s, docs in by_source.items()}
         pairs = []
         for blocks in self.blocks:
             for text in blocks:
@@ -146,6 +154,16 @@ def draw_spans(rng: random.Random, corpus: DocCorpus, doc: int, lo: int, hi: int
             ids = ids[s:s + room]
         spans.append(corpus.tokenizer.wrap(ids))
     return spans
+
+
+def step_documents(rng: random.Random, corpus: DocCorpus, source: str, k: int, neighbourhood: int) -> list[int]:
+    """``k`` documents of ``source``: drawn from all of them, or with ``neighbourhood`` > 0 from that many
+    consecutive ones in key order (a window placed at random), so that they are near each other."""
+    pool = corpus.by_source[source]
+    if neighbourhood and len(pool) > neighbourhood:
+        start = rng.randrange(len(pool) - neighbourhood + 1)
+        pool = corpus.in_key_order[source][start:start + neighbourhood]
+    return rng.sample(pool, k)
 
 
 def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,6 +254,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.batch_size < 2 or args.queue < 0 or not args.temperature > 0:
         raise ValueError("--batch-size must be >= 2 (in-batch negatives), --queue >= 0, --temperature > 0")
+    if args.neighbourhood and args.neighbourhood < args.batch_size:
+        raise ValueError(f"--neighbourhood must be 0 or >= --batch-size ({args.batch_size}), got {args.neighbourhood}")
+    if not args.temperature_lr_scale > 0:
+        raise ValueError(f"--temperature-lr-scale must be > 0, got {args.temperature_lr_scale}")
     stages = parse_curriculum(args.curriculum)
     doc_hashes, query_hashes = parse_hashes(args.doc_hashes), parse_hashes(args.query_hashes)
     session = start(args, "longdoc")
@@ -263,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         length = crop_length(stages, trainer.step, trainer.total_steps) - 2
         source = rng.choices(sources, weights=[weights[s] for s in sources])[0]
         docs, spans, span_doc, keys = [], [], [], []
-        for d in rng.sample(corpus.by_source[source], args.batch_size):
+        for d in step_documents(rng, corpus, source, args.batch_size, args.neighbourhood):
             total = sum(len(ids) for ids in corpus.ids[d])
             lo = rng.randrange(total - length + 1) if total > length else 0
             flat = [t for ids in corpus.ids[d] for t in ids][lo:lo + length]
@@ -291,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
             batch["t_short"] = teacher.embed(batch["short_ids"], batch["short_mask"])
         return batch
 
-    options = train_options(args)
+    options = dataclasses.replace(train_options(args), lr_scales=(("log_scale", args.temperature_lr_scale),))
     options.batch_size = 1  # one slot per micro-batch; --batch-size documents are drawn inside it
     slots = max(1, sum(len(d) for d in corpus.by_source.values()) // args.batch_size)
     trainer = Trainer(module, StepSlots(slots), collate, prepare, options=options, run=session.run,

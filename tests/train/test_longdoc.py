@@ -11,7 +11,7 @@ import torch
 
 from yoso_serve.model.train import longdocs, retrieval
 from yoso_serve.model.train.cli import main
-from yoso_serve.model.train.longdoc import crop_length, parse_curriculum
+from yoso_serve.model.train.longdoc import DocCorpus, crop_length, parse_curriculum, step_documents
 from yoso_serve.model.train.runtime import read_events
 
 TOPICS = [("alpha", "beta", "gamma"), ("python", "module", "function"), ("file", "path", "error"),
@@ -143,12 +143,48 @@ def test_longdoc_resume_reproduces_an_uninterrupted_run(tiny_bert, tiny_yoso, do
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_neighbourhood_draws_documents_that_are_near_in_key_order(tiny_yoso):
+    from yoso_serve.model import load_pretrained
+
+    rows = topic_docs(40)
+    random.Random(3).shuffle(rows)  # file order is not key order
+    corpus = DocCorpus(rows, load_pretrained(tiny_yoso).tokenizer, 32)
+    order = corpus.in_key_order["even"]
+    assert [corpus.keys[i] for i in order] == sorted(corpus.keys[i] for i in order)
+    rng = random.Random(0)
+    for _ in range(50):
+        drawn = step_documents(rng, corpus, "even", 3, 5)
+        places = sorted(order.index(d) for d in drawn)
+        assert len(set(drawn)) == 3 and places[-1] - places[0] < 5
+    spread = [step_documents(rng, corpus, "even", 3, 0) for _ in range(50)]
+    assert max(max(order.index(d) for d in s) - min(order.index(d) for d in s) for s in spread) >= 5
+    # a neighbourhood as large as the source is the whole source, drawn as without one
+    a, b = random.Random(1), random.Random(1)
+    assert step_documents(a, corpus, "even", 3, 20) == step_documents(b, corpus, "even", 3, 0)
+
+
+def test_the_temperature_learns_at_its_own_rate(tiny_bert, tiny_yoso, docs_file, tmp_path):
+    runs = {}
+    for scale in ("1", "2000"):
+        out = tmp_path / scale
+        assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "6", "--lr", "1e-5", "--warmup", "0",
+                                 "--temperature-lr-scale", scale, "--neighbourhood", "6")) == 0
+        runs[scale] = [r["temperature"] for r in read_events(out, "train")]
+    # AdamW moves the log temperature by about lr per step; 5 updates precede the last logged value
+    assert abs(runs["1"][-1] - 0.05) < 1e-4  # lr 1e-5
+    assert abs(runs["2000"][-1] - 0.05) > 2e-3  # lr 2e-2: the log moves ~0.1
+
+
 def test_longdoc_refuses_bad_configuration(tiny_bert, tiny_yoso, docs_file, tmp_path, capsys, write_jsonl):
     assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "a", "--curriculum", "64:0.5,4096:1")) == 2
     assert "curriculum reaches 4096" in capsys.readouterr().err
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "no blocks"}])
     assert main(longdoc_argv(tiny_bert, tiny_yoso, bad, tmp_path / "b")) == 2
     assert "bad.jsonl:1: not a document row" in capsys.readouterr().err
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "c", "--neighbourhood", "3")) == 2
+    assert "--neighbourhood must be 0 or >= --batch-size (4), got 3" in capsys.readouterr().err
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "d", "--temperature-lr-scale", "0")) == 2
+    assert "--temperature-lr-scale must be > 0" in capsys.readouterr().err
 
 
 def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, write_jsonl, capsys):
