@@ -83,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def forward_fn(method: str, hash_bits: int):
-    """method ∈ {"SDPA", "GEMM", "YOSO-E", "YOSO-<m>"} → f(q, k, v) running one forward."""
+    """method ∈ {"SDPA", "GEMM", "YOSO-E", "YOSO-<m>", "YOSO-<m> int8"} → f(q, k, v) running one forward
+    ("int8": q and k hashed in int8, kernels/hashing.py)."""
     if method == "SDPA":
         return F.scaled_dot_product_attention
     if method == "GEMM":  # YOSO-32's hash projections of q and k, nothing else: the floor
@@ -94,8 +95,8 @@ def forward_fn(method: str, hash_bits: int):
         return projections
     if method == "YOSO-E":
         return lambda q, k, v: yoso_attention(q, k, v, exact=True, hash_bits=hash_bits)
-    m = int(method.split("-")[1])
-    return lambda q, k, v: yoso_attention(q, k, v, num_hashes=m, hash_bits=hash_bits)
+    m, int8 = int(method.split("-")[1].split()[0]), method.endswith(" int8")
+    return lambda q, k, v: yoso_attention(q, k, v, num_hashes=m, hash_bits=hash_bits, int8_hash=int8)
 
 
 def inputs(n: int, d: int, heads: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -144,7 +145,7 @@ def measure_memory(method: str, n: int, d: int, args) -> float:
 
 
 def run_speed(args) -> dict:
-    methods = ["SDPA", "GEMM", "YOSO-E"] + [f"YOSO-{m}" for m in args.hashes]
+    methods = ["SDPA", "GEMM", "YOSO-E"] + [f"YOSO-{m}" for m in args.hashes] + [f"YOSO-{m} int8" for m in args.hashes]
     results = {}  # (d, n, method) -> {"ms": .., "mb": ..}
     steps = len(args.dims) * len(args.sizes) * len(methods) * (args.repeats + (0 if args.no_memory else 1))
     bar = tqdm(total=steps, desc="speed", unit="run")
@@ -188,8 +189,10 @@ def profile_yoso(args, m: int = 32) -> dict:
                 work = {
                     "projection GEMM (torch)": lambda: forward_fn("GEMM", bits)(q, k, v),
                     f"hash q, k ({where})": lambda: [kernels.codes(x, m, bits, 0, True) for x in (q, k)],
+                    f"hash q, k int8 ({where})": lambda: [kernels.codes(x, m, bits, 0, True, True) for x in (q, k)],
                     f"cumulate ({where})": lambda: kernels.cumulate(codes, codes, v.view(args.heads, n, d), bits),
                     "yoso_attention (fused)": lambda: forward_fn(f"YOSO-{m}", bits)(q, k, v),
+                    "fused, int8 hashing": lambda: forward_fn(f"YOSO-{m} int8", bits)(q, k, v),
                 }
                 stage_ms = {}
                 for name, fn in work.items():
@@ -297,11 +300,15 @@ def speed_tables(speed: dict, args) -> str:
                 out.append(f"| {n} | {method} | {r['ms']:.1f} | {per_k:.2f} | {sdpa / r['ms']:.2f}× | {mb} |")
         if "YOSO-32" in speed["methods"]:
             out += [f"\n**D = {d}: the targets** (same-run medians)\n",
-                    "| N | SDPA / YOSO-32 | YOSO-32 / GEMM | YOSO-E / YOSO-32 |", "|---:|---:|---:|---:|"]
+                    "| N | SDPA / YOSO-32 | SDPA / YOSO-32 int8 | YOSO-32 / GEMM | YOSO-32 int8 / GEMM | YOSO-E / YOSO-32 |",
+                    "|---:|---:|---:|---:|---:|---:|"]
             for n in args.sizes:
-                r = {m: speed["results"].get((d, n, m), {}).get("ms") for m in ("SDPA", "GEMM", "YOSO-E", "YOSO-32")}
+                r = {m: speed["results"].get((d, n, m), {}).get("ms")
+                     for m in ("SDPA", "GEMM", "YOSO-E", "YOSO-32", "YOSO-32 int8")}
                 exact = f"{r['YOSO-E'] / r['YOSO-32']:.2f}" if r["YOSO-E"] else "—"
-                out.append(f"| {n} | {r['SDPA'] / r['YOSO-32']:.2f}× | {r['YOSO-32'] / r['GEMM']:.2f}× | {exact} |")
+                i8 = r["YOSO-32 int8"]
+                out.append(f"| {n} | {r['SDPA'] / r['YOSO-32']:.2f}× | {r['SDPA'] / i8:.2f}× | "
+                           f"{r['YOSO-32'] / r['GEMM']:.2f}× | {i8 / r['GEMM']:.2f}× | {exact} |")
             out.append(f"\nCrossover (YOSO-E costs as much as YOSO-32): N ≈ {crossover(speed, d, args)}")
     return "\n".join(out)
 

@@ -165,6 +165,13 @@ def cpu_extension() -> ModuleType | None:
         return _module
 
 
+def int8_hashing_body() -> str:
+    """Which body hashes in int8 on CPU: "avx512-vnni", "avx2", "portable" (the C++ extension's), or
+    "torch" without it (PyTorch's exact fp32 GEMM of the integers)."""
+    module = cpu_extension()
+    return module.int8_level() if module is not None else "torch"
+
+
 def backend_info() -> dict:
     """Which attention backend is in use and why (builds the extensions on first call).
 

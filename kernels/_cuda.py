@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from .hashing import padded_dim, rotation_signs
+from .hashing import hash_codes, padded_dim, rotation_signs
 
 MAX_ROTATE_DIM = 2048  # kYosoMaxRotateDim in csrc/yoso_cuda.h: the rotation kernel's P limit
 
@@ -34,7 +34,9 @@ def cuda_ops(ext, gemm_codes):
     inputs, and the backward mixes fp32 gradients with v, so mixed inputs go to fp32.
     """
 
-    def codes(x, num_hashes, hash_bits, seed, fast_hash):
+    def codes(x, num_hashes, hash_bits, seed, fast_hash, int8=False):
+        if int8:  # quantize and project in PyTorch: an exact fp32 GEMM of integers (kernels/hashing.py)
+            return hash_codes(x, num_hashes=num_hashes, hash_bits=hash_bits, seed=seed, fast_hash=fast_hash, int8=True)
         if not fast_hash or padded_dim(x.shape[-1], hash_bits) > MAX_ROTATE_DIM:
             return gemm_codes(x, num_hashes, hash_bits, seed, fast_hash)
         batch, heads, length, dim = x.shape

@@ -19,6 +19,14 @@ pays off in a fused kernel, not as 3·log2(P) PyTorch passes per hash (x of (1, 
 m = 32, τ = 8, one thread of a shared 2-core CPU: 0.19 s here, 3.4 s in hash_codes_ref).
 The two agree exactly except where a projection lies within rounding of zero.
 
+Int8 hashing (``int8=True``, what a model with ``hash_int8`` runs): every projection column is
+scaled to 127 at its largest |entry| and rounded (a fixed, slightly different plane: still a seeded
+hash, no approximation), and every row x is hashed as ``x8 = round((x / max|x|) · 127)`` (round half
+to even; a zero row stays zero), the sums taken exactly in integers. Only a row's own rounding moves a
+bit, and only where its projection is within about 1 % of zero, where the bit is a coin flip anyway:
+about 0.2 % of bits move for Gaussian rows, and a hash code changes with them. On CPUs with AVX-512
+VNNI the C++ kernel runs those sums as u8 × s8 dot products, about 3× the fp32 GEMM.
+
 The fast family is only approximately random, and worst for small D: in P ≤ 8 dimensions
 three Hadamard rounds mix poorly (collision rates off (1 − θ/π)^τ by many σ), and for
 D < 8 some rotation rows vanish on the first D coordinates, so those bits are always 0.
@@ -34,6 +42,8 @@ import hashlib
 import torch
 
 MAX_HASH_BITS = 16
+# int8 hashing sums D products of |x8|, |w| <= 127 in fp32 (PyTorch and the C++ fallbacks): exact below 2^24.
+MAX_INT8_DIM = 1024
 # Rotations are built for this many hashes at a time, bounding the (c, D, P) float64 scratch.
 _HASHES_PER_BUILD = 64
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -144,13 +154,33 @@ def _head_matrix(seed: int, head: int, num_hashes: int, hash_bits: int, dim: int
     return torch.cat(columns, dim=1).to(torch.float32).contiguous()
 
 
+def int8_planes(proj: torch.Tensor) -> torch.Tensor:
+    """(..., D, C) projection → its int8 planes as floats: each column scaled to 127 at its largest |entry|
+    and rounded (an all-zero column stays zero)."""
+    top = proj.abs().amax(dim=-2, keepdim=True)
+    return torch.round(proj / torch.where(top > 0, top, torch.ones_like(top)) * 127.0)
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., D) fp32 → x8 = round((x / max|x|) · 127) per row, as floats; a zero row stays zero.
+    The C++ kernels compute the same fp32 division, product and round-half-to-even."""
+    top = x.abs().amax(dim=-1, keepdim=True)
+    return torch.round(x / torch.where(top > 0, top, torch.ones_like(top)) * 127.0)
+
+
+def check_int8_dim(dim: int) -> None:
+    if dim > MAX_INT8_DIM:
+        raise ValueError(f"int8 hashing takes head dimensions D <= {MAX_INT8_DIM}, got D = {dim}")
+
+
 @functools.lru_cache(maxsize=64)
 def _projection(
-    seed: int, heads: int, num_hashes: int, hash_bits: int, dim: int, fast_hash: bool, device: torch.device
+    seed: int, heads: int, num_hashes: int, hash_bits: int, dim: int, fast_hash: bool, device: torch.device,
+    int8: bool = False,
 ) -> torch.Tensor:
-    """(H, D, m·τ) fp32 on device; cached so repeated forward passes do no host work."""
-    mats = [_head_matrix(seed, h, num_hashes, hash_bits, dim, fast_hash) for h in range(heads)]
-    return torch.stack(mats).to(device)
+    """(H, D, m·τ) fp32 on device (int8: the int8 planes); cached so repeated forward passes do no host work."""
+    mats = torch.stack([_head_matrix(seed, h, num_hashes, hash_bits, dim, fast_hash) for h in range(heads)])
+    return (int8_planes(mats) if int8 else mats).to(device)
 
 
 def _codes_from_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -160,28 +190,34 @@ def _codes_from_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 def hash_codes(
-    x: torch.Tensor, *, num_hashes: int, hash_bits: int, seed: int = 0, fast_hash: bool = True
+    x: torch.Tensor, *, num_hashes: int, hash_bits: int, seed: int = 0, fast_hash: bool = True, int8: bool = False
 ) -> torch.Tensor:
     """LSH codes of x.
 
     x: (B, H, N, D) fp32|fp16|bf16 (projected in fp32; only the direction matters).
+    int8: hash with the int8 planes and rows (module docstring); the fp32 sums of integers are exact.
     Returns (B, H, m, N) int32 codes in [0, 2**hash_bits), m = num_hashes.
     """
     check_input(x, "x")
     check_hash_args(num_hashes, hash_bits, seed)
     batch, heads, length, dim = x.shape
-    proj = _projection(seed, heads, num_hashes, hash_bits, dim, bool(fast_hash), x.device)
-    scores = torch.matmul(x.float(), proj)  # (B, H, N, m·τ)
+    if int8:
+        check_int8_dim(dim)
+    proj = _projection(seed, heads, num_hashes, hash_bits, dim, bool(fast_hash), x.device, bool(int8))
+    rows = quantize_rows(x.float()) if int8 else x.float()
+    scores = torch.matmul(rows, proj)  # (B, H, N, m·τ)
     bits = scores.view(batch, heads, length, num_hashes, hash_bits) > 0
     return _codes_from_bits(bits).permute(0, 1, 3, 2).contiguous()  # (B, H, m, N)
 
 
 def hash_codes_ref(
-    x: torch.Tensor, *, num_hashes: int, hash_bits: int, seed: int = 0, fast_hash: bool = True
+    x: torch.Tensor, *, num_hashes: int, hash_bits: int, seed: int = 0, fast_hash: bool = True, int8: bool = False
 ) -> torch.Tensor:
     """Readable twin of :func:`hash_codes`: same signature, shapes and projections.
 
-    The fast family runs the three Walsh–Hadamard rounds on the padded input per hash.
+    The fast family runs the three Walsh–Hadamard rounds on the padded input per hash. With int8, each
+    hash's planes (the rotation applied to the basis vectors, for the fast family) are quantized per
+    column and the quantized rows projected in float64, one hash at a time.
     """
     check_input(x, "x")
     check_hash_args(num_hashes, hash_bits, seed)
@@ -191,6 +227,19 @@ def hash_codes_ref(
     codes = torch.empty(batch, heads, num_hashes, length, dtype=torch.int32)
     for head in range(heads):
         xh = x[:, head]  # (B, N, D)
+        if int8:
+            check_int8_dim(dim)
+            if fast_hash:
+                signs = rotation_signs(seed, head, num_hashes, hash_bits, dim).double()
+                basis = torch.nn.functional.pad(torch.eye(dim, dtype=torch.float64), (0, signs.shape[-1] - dim))
+                planes = torch.stack([rotate(basis, signs[h])[:, :hash_bits] for h in range(num_hashes)])
+            else:
+                planes = gaussian_planes(seed, head, num_hashes, hash_bits, dim)  # (m, D, τ)
+            x8 = quantize_rows(xh).double()
+            for h in range(num_hashes):
+                plane = int8_planes(planes[h].float()).double()  # (D, τ): each column on its own
+                codes[:, head, h] = _codes_from_bits(x8 @ plane > 0)
+            continue
         if fast_hash:
             signs = rotation_signs(seed, head, num_hashes, hash_bits, dim)  # (m, 3, P)
             padded = torch.nn.functional.pad(xh, (0, signs.shape[-1] - dim))  # (B, N, P)

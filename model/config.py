@@ -59,6 +59,9 @@ class EncoderConfig:
     problem_type: str | None = None
     # ours
     hash_seed: int = 0
+    # LSH codes from int8 rows and planes (kernels/hashing.py): ~3x faster hashing on AVX-512 VNNI CPUs;
+    # a model is trained or checked with the setting it is served with.
+    hash_int8: bool = False
     pooling: str = "mean"
     attention_backend: str = "auto"
     attention_type: str = "yoso"
@@ -105,6 +108,9 @@ class EncoderConfig:
             )
         if not 1 <= self.hash_code_len <= 16:
             raise ValueError(f"hash_code_len must be in 1..16, got {self.hash_code_len}")
+        if self.hash_int8 and self.hidden_size // self.num_attention_heads > 1024:
+            raise ValueError(f"hash_int8 takes head dimensions <= 1024, got "
+                             f"{self.hidden_size // self.num_attention_heads}")
         if self.num_hash < 0:
             raise ValueError(f"num_hash must be >= 0, got {self.num_hash}")
         if self.conv_window is not None and (self.conv_window < 1 or self.conv_window % 2 == 0):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from yoso_serve.kernels import backend_info
+from yoso_serve.kernels._build import int8_hashing_body
 
 from .config import POOLINGS, EncoderConfig
 from .encoder import YosoEncoder
@@ -61,8 +62,13 @@ class EncoderModel(nn.Module):
         return dict(self.config.id2label or {})
 
     def backend_info(self) -> dict:
-        """Which attention kernels run (C++/CUDA or pure PyTorch) and why: what /info shows."""
-        return backend_info()
+        """Which attention kernels run (C++/CUDA or pure PyTorch) and why, and how LSH codes are computed
+        (``hashing``: "fp32", or "int8" with the C++ body that runs it): what /info shows."""
+        info = backend_info()
+        info["hashing"] = "int8" if self.config.hash_int8 else "fp32"
+        if self.config.hash_int8:
+            info["int8_hashing_body"] = int8_hashing_body()
+        return info
 
     @property
     def architectures(self) -> list[str]:

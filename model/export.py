@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from yoso_serve.kernels.finish import attention_finish_ref
-from yoso_serve.kernels.hashing import _projection
+from yoso_serve.kernels.hashing import _projection, quantize_rows
 
 from .checkpoint import load_pretrained
 from .encoder import YosoSelfAttention
@@ -60,14 +60,15 @@ class ScatterAddRowsFn(torch.autograd.Function):
         return g.op("ScatterND", table, rows, updates, reduction_s="add")
 
 
-def hash_codes_onnx(x_hat: torch.Tensor, projection: torch.Tensor, hash_bits: int) -> torch.Tensor:
-    """x_hat (B, H, N, D) fp32 unit rows, projection (H, D, m·τ) fp32 → codes (B, H, N, m) int64.
+def hash_codes_onnx(x_hat: torch.Tensor, projection: torch.Tensor, hash_bits: int, int8: bool = False) -> torch.Tensor:
+    """x_hat (B, H, N, D) fp32 rows, projection (H, D, m·τ) fp32 → codes (B, H, N, m) int64.
 
     The codes of :func:`yoso_serve.kernels.hash_codes` (its oracle) for the same projection, left in
-    (B, H, N, m) order: the cumulation below indexes them that way, so no transpose is needed.
+    (B, H, N, m) order: the cumulation below indexes them that way, so no transpose is needed. int8:
+    ``projection`` holds the int8 planes and the rows are quantized first (ReduceMax, Div, Round).
     """
     b, h, n, _ = x_hat.shape
-    scores = torch.matmul(x_hat, projection)  # (B, H, N, m·τ)
+    scores = torch.matmul(quantize_rows(x_hat) if int8 else x_hat, projection)  # (B, H, N, m·τ)
     bits = (scores > 0).to(torch.float32).view(b, h, n, -1, hash_bits)  # (B, H, N, m, τ)
     weights = torch.tensor([float(1 << t) for t in range(hash_bits)])  # sums ≤ 2^16: exact in fp32
     # Mul + ReduceSum, not a MatMul with a (τ,) vector: runtimes run that as millions of tiny GEMMs.
@@ -122,23 +123,25 @@ class OnnxSelfAttention(nn.Module):
         self.hashes = hashes
         self.hash_bits = config.hash_code_len
         if hashes:
+            self.int8 = bool(config.hash_int8)
             projection = _projection(attention.seed, attention.heads, hashes, self.hash_bits, attention.head_dim,
-                                     bool(config.use_fast_hash), torch.device("cpu"))
+                                     bool(config.use_fast_hash), torch.device("cpu"), self.int8)
             self.register_buffer("projection", projection.clone())  # (H, D, m·τ): an initializer
             self.group = max(1, min(hashes, _TABLE_BUDGET // ((1 << self.hash_bits) * attention.head_dim)))
 
     def forward(self, hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """hidden (B, N, hidden) fp32, keep (B, N) fp32 0/1 → (B, N, hidden) fp32."""
         att = self.attention
-        q = F.normalize(att.split_heads(att.query(hidden)), dim=-1)  # (B, H, N, d)
-        k = F.normalize(att.split_heads(att.key(hidden)), dim=-1)
+        q_raw, k_raw = att.split_heads(att.query(hidden)), att.split_heads(att.key(hidden))  # (B, H, N, d)
+        q, k = F.normalize(q_raw, dim=-1), F.normalize(k_raw, dim=-1)
         v = att.split_heads(att.value(hidden))
         b, h, n, d = q.shape
         keep_heads = keep[:, None, :].expand(b, h, n).reshape(b * h, n)  # (BH, N)
         v_masked = v * keep[:, None, :, None]
         if self.hashes:
-            q_codes = hash_codes_onnx(q, self.projection, self.hash_bits).reshape(b * h, n, self.hashes)
-            k_codes = hash_codes_onnx(k, self.projection, self.hash_bits).reshape(b * h, n, self.hashes)
+            # the raw rows, as the served kernels hash them (int8 rounding is per row)
+            q_codes = hash_codes_onnx(q_raw, self.projection, self.hash_bits, self.int8).reshape(b * h, n, self.hashes)
+            k_codes = hash_codes_onnx(k_raw, self.projection, self.hash_bits, self.int8).reshape(b * h, n, self.hashes)
             context = lsh_cumulate_onnx(q_codes, k_codes, v_masked.reshape(b * h, n, d), self.hash_bits, self.group)
             context = context * keep_heads[:, :, None]
         else:

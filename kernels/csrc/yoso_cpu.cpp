@@ -3,7 +3,7 @@
 //
 //   lsh_cumulate(q_codes, k_codes, v, hash_bits)                     -> (BH, Nq, Dv) fp32
 //   lsh_weighted_cumulate(q_codes, k_codes, q_w, k_w, v, hash_bits)  -> (BH, Nq, Dv) fp32
-//   fast_hash_codes(x, proj, num_hashes, hash_bits)                  -> (B, H, m, N) int32
+//   fast_hash_codes(x, proj, num_hashes, hash_bits, int8=False)      -> (B, H, m, N) int32
 //   + lsh_attention, exact_attention, exact_forward, exact_backward, collision_probability,
 //     simd_level: registered by yoso_cpu_fused.cpp
 //
@@ -46,6 +46,16 @@ void check_view(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be Float, got ", c10::toString(t.scalar_type()));
   TORCH_CHECK(t.dim() == 4, name, " must have rank 4 (B, H, N, D), got shape ", t.sizes());
   TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, name, " must have unit stride along D, got strides ", t.strides());
+}
+
+// Int8 hashing's planes: integers in [-127, 127] (kernels/hashing.py quantizes them), D at most 1024 so that
+// the AVX2 and portable bodies' fp32 sums of x8 * w stay exact integers (|sum| <= D * 127^2 < 2^24).
+void check_int8_planes(const torch::Tensor& proj) {
+  TORCH_CHECK(proj.size(1) <= 1024, "int8 hashing takes head dimensions D <= 1024, got D = ", proj.size(1));
+  const float* w = proj.data_ptr<float>();
+  for (int64_t i = 0; i < proj.numel(); ++i)
+    TORCH_CHECK(w[i] >= -127.f && w[i] <= 127.f && w[i] == float(int32_t(w[i])),
+                "int8 hashing needs proj of integers in [-127, 127], got ", w[i], " at flat index ", i);
 }
 
 namespace {
@@ -287,8 +297,9 @@ torch::Tensor lsh_weighted_cumulate(const torch::Tensor& q_codes, const torch::T
 }
 
 torch::Tensor fast_hash_codes(const torch::Tensor& x, const torch::Tensor& proj, int64_t num_hashes,
-                              int64_t hash_bits) {
+                              int64_t hash_bits, bool int8) {
 #ifdef WITH_CUDA
+  TORCH_CHECK(!(int8 && x.is_cuda()), "int8 hashing of CUDA tensors runs in PyTorch (kernels/hashing.py)");
   if (x.is_cuda()) return fast_hash_codes_cuda(x, proj, num_hashes, hash_bits);
 #endif
   TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
@@ -299,10 +310,12 @@ torch::Tensor fast_hash_codes(const torch::Tensor& x, const torch::Tensor& proj,
   TORCH_CHECK(proj.size(0) == x.size(1) && proj.size(1) == x.size(3) && proj.size(2) == num_hashes * hash_bits,
               "proj must be (H, D, num_hashes*hash_bits) = (", x.size(1), ", ", x.size(3), ", ", num_hashes * hash_bits,
               ") for x (B, H, N, D) ", x.sizes(), ", got ", proj.sizes());
+  if (int8) check_int8_planes(proj);
   torch::Tensor codes = torch::empty({x.size(0), x.size(1), num_hashes, x.size(2)}, x.options().dtype(at::kInt));
   if (codes.numel() == 0) return codes;
   if (x.size(3) == 0) return codes.zero_();
   yoso::HashParams p{};
+  p.int8 = int8;
   p.x = x.data_ptr<float>();
   p.proj = proj.data_ptr<float>();
   p.codes = codes.data_ptr<int32_t>();
@@ -330,8 +343,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q_w"), py::arg("k_w"), py::arg("v"), py::arg("hash_bits"),
         py::call_guard<py::gil_scoped_release>());
   m.def("fast_hash_codes", &fast_hash_codes,
-        "(x (B, H, N, D) fp32, proj (H, D, m*tau) fp32, num_hashes, hash_bits) -> (B, H, m, N) int32 codes",
-        py::arg("x"), py::arg("proj"), py::arg("num_hashes"), py::arg("hash_bits"),
+        "(x (B, H, N, D) fp32, proj (H, D, m*tau) fp32, num_hashes, hash_bits, int8=False) -> (B, H, m, N) int32 "
+        "codes (int8: proj holds the quantized planes and rows are hashed quantized)",
+        py::arg("x"), py::arg("proj"), py::arg("num_hashes"), py::arg("hash_bits"), py::arg("int8") = false,
         py::call_guard<py::gil_scoped_release>());
 #ifdef WITH_CUDA
   m.def("lsh_cumulate_cuda", &lsh_cumulate_cuda,

@@ -25,6 +25,7 @@ struct HashParams {
   int32_t* codes;     // (B, H, m, N)
   int64_t batch, heads, n, d, m;
   int hash_bits;
+  bool int8;          // proj holds integers in [-127, 127]; rows are hashed quantized (yoso_cpu_simd.h)
 };
 
 // q, k, v, out are (B, H, N, D|Dv) views with unit stride along D: element (b, h, i, c) of x is at
@@ -40,6 +41,7 @@ struct AttentionParams {
   int64_t batch, heads, n, d, dv, m;
   int64_t q_stride[3], k_stride[3], v_stride[3], out_stride[3];
   int hash_bits;
+  bool int8;             // as HashParams
 };
 
 struct ExactParams {

@@ -1,11 +1,12 @@
 // Bindings of the fused CPU ops (registered into the module by yoso_cpu.cpp's PYBIND11_MODULE):
 //
-//   lsh_attention(q, k, v, proj, keep, num_hashes, hash_bits)        -> (B, H, N, Dv) fp32, inference
+//   lsh_attention(q, k, v, proj, keep, num_hashes, hash_bits, int8=False) -> (B, H, N, Dv) fp32, inference
 //   exact_attention(q, k, v, keep, hash_bits)                        -> (B, H, N, Dv) fp32, inference
 //   exact_forward(q, k, v, keep, hash_bits)                          -> (BH, N, Dv) fp32
 //   exact_backward(q, k, v, keep, grad, hash_bits, true_grad, min_sine) -> [grad q, k, v]
 //   collision_probability(cosines, hash_bits)                        -> (1 - arccos/pi)^tau, fp32
 //   simd_level()                                                     -> "avx2" | "portable"
+//   int8_level()                                    -> "avx512-vnni" | "avx2" | "portable" (int8 hashing)
 //
 // Every check names the limit it enforces (TORCH_CHECK -> RuntimeError in Python).
 
@@ -23,6 +24,7 @@
 // with messages that name the limit.
 void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank);
 void check_view(const torch::Tensor& t, const char* name);
+void check_int8_planes(const torch::Tensor& proj);
 
 namespace {
 
@@ -68,7 +70,7 @@ std::pair<yoso::AttentionParams, torch::Tensor> attention_params(const torch::Te
 
 torch::Tensor lsh_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                             const torch::Tensor& proj, const c10::optional<torch::Tensor>& keep, int64_t num_hashes,
-                            int64_t hash_bits) {
+                            int64_t hash_bits, bool int8) {
   TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
               hash_bits);
   TORCH_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
@@ -77,8 +79,10 @@ torch::Tensor lsh_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   TORCH_CHECK(proj.size(0) == q.size(1) && proj.size(1) == q.size(3) && proj.size(2) == num_hashes * hash_bits,
               "proj must be (H, D, num_hashes*hash_bits) = (", q.size(1), ", ", q.size(3), ", ",
               num_hashes * hash_bits, "), got ", proj.sizes());
+  if (int8) check_int8_planes(proj);
   if (out.numel() == 0) return out;
   p.proj = proj.data_ptr<float>();
+  p.int8 = int8;
   p.m = num_hashes;
   p.hash_bits = int(hash_bits);
   yoso::lsh_attention(p, at::get_num_threads());
@@ -170,9 +174,10 @@ torch::Tensor collision_probability(const torch::Tensor& cosines, int64_t hash_b
 void register_fused_ops(pybind11::module_& m) {
   m.def("lsh_attention", &lsh_attention,
         "(q, k (B, H, N, D), v (B, H, N, Dv) fp32, proj (H, D, m*tau), keep (B, N) bool or None, num_hashes, "
-        "hash_bits) -> (B, H, N, Dv) fp32 view of (B, N, H, Dv) memory: hashing and cumulation fused",
+        "hash_bits, int8=False) -> (B, H, N, Dv) fp32 view of (B, N, H, Dv) memory: hashing and cumulation fused "
+        "(int8: proj holds the quantized planes and rows are hashed quantized)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("proj"), py::arg("keep"), py::arg("num_hashes"),
-        py::arg("hash_bits"), py::call_guard<py::gil_scoped_release>());
+        py::arg("hash_bits"), py::arg("int8") = false, py::call_guard<py::gil_scoped_release>());
   m.def("exact_attention", &exact_attention,
         "(q, k (B, H, N, D) raw, v (B, H, N, Dv) fp32 views, keep (B, N) bool or None, hash_bits) -> (B, H, N, Dv) "
         "fp32 view of (B, N, H, Dv) memory: YOSO-E for inference, rows normalised inside",
@@ -189,4 +194,5 @@ void register_fused_ops(pybind11::module_& m) {
         "(cosines fp32, hash_bits) -> (1 - arccos(clamp(c))/pi)^tau, the exact kernels' vectorised formula",
         py::arg("cosines"), py::arg("hash_bits"));
   m.def("simd_level", &yoso::simd::level, "which kernel bodies run: avx2 or portable");
+  m.def("int8_level", &yoso::simd::int8_level, "which body int8 hashing runs: avx512-vnni, avx2 or portable");
 }

@@ -379,6 +379,7 @@ void lsh_attention(const AttentionParams& a, int nthreads) {
   p.buckets = int64_t(1) << a.hash_bits;
   const int64_t cols = a.m * a.hash_bits, blocks = (a.n + kHashBlock - 1) / kHashBlock;
   const int64_t ops = p.bh * a.n * (2 * a.d * cols + 2 * a.m * a.dv);
+  const simd::PackedPlanes planes = a.int8 ? simd::pack_planes_i8(a.proj, a.heads, a.d, cols) : simd::PackedPlanes{};
   over_heads<FusedScratch>(p, threads_for(ops, nthreads), [&](const CumulateParams& p, int64_t b, FusedScratch& ws,
                                                              int team) {
     const int64_t batch = b / a.heads, head = b % a.heads;
@@ -394,8 +395,11 @@ void lsh_attention(const AttentionParams& a, int nthreads) {
         int32_t* codes = key ? ws.k_codes.data() : ws.q_codes.data();
         const float* x = key ? a.k + batch * a.k_stride[0] + head * a.k_stride[1]
                              : a.q + batch * a.q_stride[0] + head * a.q_stride[1];
-        hash_block(x, key ? a.k_stride[2] : a.q_stride[2], w, a.d, a.m, a.hash_bits, i0, i1, codes, a.n,
-                   scores.data());
+        const int64_t ldx = key ? a.k_stride[2] : a.q_stride[2];
+        if (a.int8)
+          simd::hash_rows_i8(x + i0 * ldx, ldx, i1 - i0, a.d, a.proj, planes, head, a.m, a.hash_bits, codes + i0, a.n);
+        else
+          hash_block(x, ldx, w, a.d, a.m, a.hash_bits, i0, i1, codes, a.n, scores.data());
         if (keep != nullptr)
           for (int64_t h = 0; h < a.m; ++h)
             for (int64_t i = i0; i < i1; ++i)
@@ -410,14 +414,20 @@ void lsh_attention(const AttentionParams& a, int nthreads) {
 
 void hash_codes(const HashParams& p, int nthreads) {
   const int64_t cols = p.m * p.hash_bits, blocks = (p.n + kHashBlock - 1) / kHashBlock;
+  const simd::PackedPlanes packed = p.int8 ? simd::pack_planes_i8(p.proj, p.heads, p.d, cols) : simd::PackedPlanes{};
 #pragma omp parallel num_threads(threads_for(p.batch * p.heads * p.n * p.d * cols, nthreads))
   {
     std::vector<float> scores(kHashBlock * score_stride(cols));
 #pragma omp for schedule(dynamic, 32)
     for (int64_t item = 0; item < p.batch * p.heads * blocks; ++item) {
       const int64_t bh = item / blocks, head = bh % p.heads, i0 = (item % blocks) * kHashBlock;
-      hash_block(p.x + bh * p.n * p.d, p.d, p.proj + head * p.d * cols, p.d, p.m, p.hash_bits, i0,
-                 std::min(p.n, i0 + kHashBlock), p.codes + bh * p.m * p.n, p.n, scores.data());
+      const int64_t i1 = std::min(p.n, i0 + kHashBlock);
+      if (p.int8)
+        simd::hash_rows_i8(p.x + (bh * p.n + i0) * p.d, p.d, i1 - i0, p.d, p.proj, packed, head, p.m, p.hash_bits,
+                           p.codes + bh * p.m * p.n + i0, p.n);
+      else
+        hash_block(p.x + bh * p.n * p.d, p.d, p.proj + head * p.d * cols, p.d, p.m, p.hash_bits, i0, i1,
+                   p.codes + bh * p.m * p.n, p.n, scores.data());
     }
   }
 }

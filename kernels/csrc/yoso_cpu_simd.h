@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace yoso::simd {
 
@@ -27,6 +28,25 @@ void collision_weights(float* c, float* slope, const float* keep, int64_t n, int
 // sum taken in t order over the non-null table rows (dv floats each); out row stride ldo.
 void gather_rows(const float* const* rows, int64_t nrows, int64_t count, int64_t dv, float* out, int64_t ldo,
                  float scale);
+
+// Int8 hashing. A row x of d floats is quantized to x8 = round((x / max|x|) * 127) (round half to even;
+// a zero row stays zero), and bit t of hash h is [sum_c x8[c] * w[c][h * bits + t] > 0], summed exactly
+// in integers; w (d, m * bits) holds integers in [-127, 127] as floats (the quantized planes).
+// PackedPlanes holds every head's w in the layout of the AVX-512 VNNI body (empty when another body runs).
+struct PackedPlanes {
+  std::vector<int8_t> w;         // (heads, cols16 / 16, dpad / 4, 16, 4)
+  std::vector<int32_t> offset;   // (heads, cols16): 128 * column sum (the u8 inputs are x8 + 128)
+  int64_t dpad = 0, cols16 = 0;  // d rounded up to 4, m * bits rounded up to 16
+};
+PackedPlanes pack_planes_i8(const float* w, int64_t heads, int64_t d, int64_t cols);
+
+// codes[h * code_stride + r] for rows r < rows of x (row stride ldx), hashed as above with head `head`
+// of `w` (heads, d, m * bits) / `packed`. Every body gives the same codes (exact integer sums).
+void hash_rows_i8(const float* x, int64_t ldx, int64_t rows, int64_t d, const float* w, const PackedPlanes& packed,
+                  int64_t head, int64_t m, int bits, int32_t* codes, int64_t code_stride);
+
+// Which body hash_rows_i8 runs: "avx512-vnni", "avx2" (an exact fp32 GEMM of the integers) or "portable".
+const char* int8_level();
 
 // Largest |arccos error| of the polynomial used above, in radians (Abramowitz & Stegun 4.4.46).
 constexpr double kArccosMaxError = 2e-8;

@@ -28,6 +28,7 @@ class YosoAttentionCore(AttentionCore):
         super().__init__(config, seed)
         self.hash_bits = config.hash_code_len
         self.fast_hash = config.use_fast_hash
+        self.int8_hash = bool(config.hash_int8)
         self.backend = config.attention_backend
         # training knob, not saved: "true" gives exact mode the derivative of its forward
         self.exact_backward = "bound"
@@ -36,7 +37,7 @@ class YosoAttentionCore(AttentionCore):
                 *, hashes: int, conv: torch.nn.Conv2d | None = None) -> torch.Tensor:
         context = yoso_attention(q, k, v, key_mask, num_hashes=hashes, hash_bits=self.hash_bits, seed=self.seed,
                                  exact=hashes == 0, fast_hash=self.fast_hash, backend=self.backend,
-                                 exact_backward=self.exact_backward)
+                                 exact_backward=self.exact_backward, int8_hash=self.int8_hash)
         # N-YOSO: the cumulation is not divided by its expected count; unit norm per head instead.
         return attention_finish(context, v, None if conv is None else conv.weight, key_mask,
                                 backend=self.backend)  # (B, H, N, D)

@@ -10,6 +10,7 @@ from yoso_serve.kernels import _build, hash_codes, yoso_attention, yoso_attentio
 from yoso_serve.kernels import cumulate as cumulate_module
 from yoso_serve.kernels import exact as exact_module
 from yoso_serve.kernels.cumulate import lsh_cumulate, lsh_weighted_cumulate
+from yoso_serve.kernels.hashing import quantize_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,10 +163,10 @@ class _CountingExtension:
         assert all(c.dtype == torch.int32 and c.is_contiguous() for c in codes)
         assert all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
-    def fast_hash_codes(self, x, proj, num_hashes, hash_bits):
+    def fast_hash_codes(self, x, proj, num_hashes, hash_bits, int8=False):
         self._check((), (x, proj))
         self.calls.append("fast_hash_codes")
-        scores = torch.matmul(x, proj).view(*x.shape[:3], num_hashes, hash_bits) > 0
+        scores = torch.matmul(quantize_rows(x) if int8 else x, proj).view(*x.shape[:3], num_hashes, hash_bits) > 0
         weights = 1 << torch.arange(hash_bits, dtype=torch.int32)
         return (scores.to(torch.int32) * weights).sum(-1, dtype=torch.int32).permute(0, 1, 3, 2).contiguous()
 

@@ -63,6 +63,12 @@ def conv_cls_model() -> EncoderModel:
     return _tiny_model(1, conv_window=5, pooling="cls", use_fast_hash=False, hash_code_len=5)
 
 
+@pytest.fixture
+def int8_model() -> EncoderModel:
+    """The tiny encoder hashing in int8 (hash_int8), no classifier."""
+    return _tiny_model(2, hash_int8=True)
+
+
 @pytest.fixture(scope="session")
 def conv_cls_dir(conv_cls_model, tmp_path_factory) -> Path:
     return export_onnx(conv_cls_model, tmp_path_factory.mktemp("onnx-conv"), hashes=8)

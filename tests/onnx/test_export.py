@@ -66,6 +66,11 @@ def test_hash_codes_equal_the_kernel_codes():
         projection = _projection(5, 3, 7, 9, 48, fast, torch.device("cpu"))
         expected = hash_codes(x, num_hashes=7, hash_bits=9, seed=5, fast_hash=fast)  # (B, H, m, N)
         assert torch.equal(hash_codes_onnx(x, projection, 9), expected.permute(0, 1, 3, 2).long())
+        # int8: the graph quantizes the raw rows as the kernels do (the int8 planes are the initializer)
+        raw = x * torch.rand(2, 3, 137, 1, generator=torch.Generator().manual_seed(1)) * 5
+        planes = _projection(5, 3, 7, 9, 48, fast, torch.device("cpu"), True)
+        expected = hash_codes(raw, num_hashes=7, hash_bits=9, seed=5, fast_hash=fast, int8=True)
+        assert torch.equal(hash_codes_onnx(raw, planes, 9, int8=True), expected.permute(0, 1, 3, 2).long())
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])

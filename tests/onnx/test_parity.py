@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from yoso_serve.model import load_pretrained
+from yoso_serve.model.export import export_onnx
 from yoso_serve.model.onnx_runtime import OnnxEncoderModel, load_onnx
 
 LENGTHS = [37, 150, 1, 64, 99]  # awkward sizes, one single token, one near max_position_embeddings
@@ -49,6 +50,22 @@ def test_cls_pooling_conv_and_gaussian_hashes_match_torch(conv_cls_model, conv_c
     assert not onnx.has_classifier
     with pytest.raises(ValueError, match="no classification head"):
         onnx.classify(ids, mask)
+
+
+def test_int8_hashing_exports_and_matches_torch(int8_model, tmp_path, padded):
+    """A model with hash_int8: the graph quantizes q and k rows and holds the int8 planes."""
+    model = int8_model
+    onnx = load_onnx(export_onnx(model, tmp_path, hashes=16))
+    ids, mask = _batch(model, padded)
+    with torch.inference_mode():
+        expected = model.embed(ids, mask, hashes=16)
+        for layer in model.encoder.encoder.layer:
+            layer.attention.self.core.int8_hash = False
+        fp32 = model.embed(ids, mask, hashes=16)
+    got = onnx.embed(ids, mask)
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=0)
+    # the graph really hashes in int8: far closer to the int8 model than to the same weights hashing in fp32
+    assert (got - expected).abs().max() * 10 < (got - fp32).abs().max()
 
 
 def test_a_text_gives_the_same_output_alone_and_padded_in_a_batch(lsh_dir, tiny_model, padded):
