@@ -13,6 +13,8 @@ Stages, each resumable and each writing under ``--work`` (default ``runs/default
     longdoc2  the same training continued on whole 4096-token crops with harder contrast: a queue of
               1024 recent documents (about 128 of any one source: same-source negatives), a lower
               starting temperature, twice the short pairs and twice the distillation weight
+    serve-settings  the final model's serving settings into its config.json (int8 hashing), so that every
+              evaluation below measures what is served
     eval      student and the plain converted model against the teacher on held-out text; deep and
               short retrieval on held-out documents and on the source kept out
     finetune  topic classification (documentation area of a section): student and teacher
@@ -211,6 +213,21 @@ def longdoc2_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> li
     return argv + (["--resume"] if resume else [])
 
 
+# Settings the final model is evaluated and served with, written into its config.json after training.
+# hash_int8: LSH codes from int8 rows and planes, ~3× faster hashing on AVX-512 VNNI CPUs; deep retrieval on
+# the source kept out moved within noise with it (docs/benchmarks.md, "Int8 hashing").
+SERVED_SETTINGS = {"hash_int8": True}
+
+
+def apply_served_settings(model_dir: Path) -> dict:
+    """Write SERVED_SETTINGS into ``model_dir``/config.json (idempotent); returns the config."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config.update(SERVED_SETTINGS)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return config
+
+
 # Training stages in pipeline order → the builder of each one's command.
 STAGES = {"distill": distill_argv, "refine": refine_argv, "longdoc": longdoc_argv, "longdoc2": longdoc2_argv}
 
@@ -246,7 +263,7 @@ EVALS = ("eval-converted", "eval-student", "retrieval-transfer", "retrieval-held
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="default_model", description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=("data", "longdoc-data", *STAGES, "eval", *EVALS, "finetune",
+    p.add_argument("stage", choices=("data", "longdoc-data", *STAGES, "serve-settings", "eval", *EVALS, "finetune",
                                       "topics-teacher", "topics-student", "bundle", "all"))
     p.add_argument("--work", type=Path, default=Path("runs/default-model"))
     p.add_argument("--html-root", type=Path, default=DEFAULT_HTML_ROOT)
@@ -273,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         "topics-student": lambda: _cli(finetune_argv(work, final_model(work), "topics-student")),
     }
     groups = {"eval": list(EVALS), "finetune": ["topics-teacher", "topics-student"]}
-    order = ["data", "distill", "refine", "longdoc-data", "longdoc", "longdoc2", "eval", "finetune", "bundle"] \
+    order = ["data", "distill", "refine", "longdoc-data", "longdoc", "longdoc2", "serve-settings", "eval", "finetune",
+             "bundle"] \
         if args.stage == "all" else [args.stage]
     for stage in (s for group in order for s in groups.get(group, [group])):
         if stage == "data":
@@ -287,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{stage} stopped before the end of its schedule; run the same command again to resume it",
                       file=sys.stderr)
                 return 0
+        elif stage == "serve-settings":
+            apply_served_settings(final_model(work))
+            print(f"{final_model(work)}: served with {SERVED_SETTINGS}")
         elif stage == "bundle":
             from .model_card import bundle
 

@@ -174,7 +174,11 @@ def test_pipeline_waits_for_a_stage_stopped_by_its_time_limit(tmp_path, monkeypa
     (work / "longdoc2" / "metrics.jsonl").write_text(json.dumps({**stop, "reason": "done"}) + "\n")
     calls.clear()
     monkeypatch.setattr("yoso_serve.model.train.model_card.bundle", lambda *a: calls.append("bundle"))
+    (work / "longdoc2" / "model").mkdir()
+    (work / "longdoc2" / "model" / "config.json").write_text(json.dumps({"num_hash": 32, "hash_int8": False}))
     assert default_model.main(["all", "--work", str(work)]) == 0
+    # the evaluations and the bundle see the served settings
+    assert json.loads((work / "longdoc2" / "model" / "config.json").read_text()) == {"num_hash": 32, "hash_int8": True}
     assert calls[:5] == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc"),
                          str(work / "longdoc2")]
     assert calls[5:11] == [str(work / n) for n in ("eval-converted", "eval-student", "retrieval-transfer",
