@@ -27,6 +27,7 @@ output is the un-normalised cumulation ``B·V`` — the model applies N-YOSO's �
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -59,12 +60,23 @@ def _torch_codes(x, num_hashes, hash_bits, seed, fast_hash, int8=False):
     return hash_codes(x, num_hashes=num_hashes, hash_bits=hash_bits, seed=seed, fast_hash=fast_hash, int8=int8)
 
 
+@functools.lru_cache(maxsize=64)
+def _int8_packed(ext, seed: int, heads: int, num_hashes: int, hash_bits: int, dim: int, fast_hash: bool):
+    """The int8 planes (on CPU) and their packing for the extension's hashing body, made once per projection:
+    validating and packing them costs about 0.3 ms, more than the hashing of a 512-token input."""
+    proj = _projection(seed, heads, num_hashes, hash_bits, dim, fast_hash, torch.device("cpu"), True)
+    return proj, ext.pack_int8_planes(proj)
+
+
 def _cpp_codes(ext):
     # The projection GEMM and the bit packing in one pass: the PyTorch path materialises
     # (B, H, N, m·τ) fp32 scores, which dominated time and memory at long N.
     def codes(x, num_hashes, hash_bits, seed, fast_hash, int8=False):
         if int8:
             check_int8_dim(x.shape[-1])
+            if x.device.type == "cpu":
+                proj, packed = _int8_packed(ext, seed, x.shape[1], num_hashes, hash_bits, x.shape[-1], bool(fast_hash))
+                return ext.fast_hash_codes(x.float().contiguous(), proj, num_hashes, hash_bits, True, packed)
         proj = _projection(seed, x.shape[1], num_hashes, hash_bits, x.shape[-1], bool(fast_hash), x.device, int8)
         return ext.fast_hash_codes(x.float().contiguous(), proj, num_hashes, hash_bits, int8)
 
@@ -81,8 +93,10 @@ def _cpp_fused(ext):
             return ext.exact_attention(q, k, v, keep, hash_bits)
         if int8:
             check_int8_dim(q.shape[-1])
-        proj = _projection(seed, q.shape[1], num_hashes, hash_bits, q.shape[-1], bool(fast_hash), q.device, int8)
-        return ext.lsh_attention(q, k, v, proj, keep, num_hashes, hash_bits, int8)
+            proj, packed = _int8_packed(ext, seed, q.shape[1], num_hashes, hash_bits, q.shape[-1], bool(fast_hash))
+            return ext.lsh_attention(q, k, v, proj, keep, num_hashes, hash_bits, True, packed)
+        proj = _projection(seed, q.shape[1], num_hashes, hash_bits, q.shape[-1], bool(fast_hash), q.device)
+        return ext.lsh_attention(q, k, v, proj, keep, num_hashes, hash_bits)
 
     return fused
 

@@ -3,7 +3,8 @@
 //
 //   lsh_cumulate(q_codes, k_codes, v, hash_bits)                     -> (BH, Nq, Dv) fp32
 //   lsh_weighted_cumulate(q_codes, k_codes, q_w, k_w, v, hash_bits)  -> (BH, Nq, Dv) fp32
-//   fast_hash_codes(x, proj, num_hashes, hash_bits, int8=False)      -> (B, H, m, N) int32
+//   fast_hash_codes(x, proj, num_hashes, hash_bits, int8=False, packed=None) -> (B, H, m, N) int32
+//   pack_int8_planes(proj)                                           -> [w8, offset] for packed=
 //   + lsh_attention, exact_attention, exact_forward, exact_backward, collision_probability,
 //     simd_level: registered by yoso_cpu_fused.cpp
 //
@@ -15,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include "yoso_cpu.h"
+#include "yoso_cpu_simd.h"
 
 #ifdef WITH_CUDA
 #include <ATen/Context.h>
@@ -56,6 +58,42 @@ void check_int8_planes(const torch::Tensor& proj) {
   for (int64_t i = 0; i < proj.numel(); ++i)
     TORCH_CHECK(w[i] >= -127.f && w[i] <= 127.f && w[i] == float(int32_t(w[i])),
                 "int8 hashing needs proj of integers in [-127, 127], got ", w[i], " at flat index ", i);
+}
+
+// [w8, offset]: proj's int8 planes in the VNNI body's packed layout, validated once here so that callers
+// can cache them per projection (empty tensors where another body runs: it reads proj itself).
+std::vector<torch::Tensor> pack_int8_planes(const torch::Tensor& proj) {
+  check_tensor(proj, "proj", at::kFloat, 3);
+  check_int8_planes(proj);
+  if (!yoso::simd::int8_packs()) return {torch::empty({0}, proj.options().dtype(at::kChar)),
+                                         torch::empty({0}, proj.options().dtype(at::kInt))};
+  const int64_t heads = proj.size(0), d = proj.size(1), cols = proj.size(2);
+  const int64_t cols16 = yoso::simd::packed_cols16(cols);
+  torch::Tensor w8 = torch::empty({heads * cols16 * yoso::simd::packed_dpad(d)}, proj.options().dtype(at::kChar));
+  torch::Tensor offset = torch::empty({heads * cols16}, proj.options().dtype(at::kInt));
+  yoso::simd::pack_planes_i8(proj.data_ptr<float>(), heads, d, cols, w8.data_ptr<int8_t>(), offset.data_ptr<int32_t>());
+  return {w8, offset};
+}
+
+// The packed planes of an int8 call: the caller's (pack_int8_planes of this proj) after a size check, or, when
+// none are given, proj validated and packed for this call alone.
+std::vector<torch::Tensor> int8_packed(const torch::Tensor& proj, const c10::optional<std::vector<torch::Tensor>>& packed) {
+  if (!packed.has_value()) return pack_int8_planes(proj);
+  TORCH_CHECK(packed->size() == 2, "packed must be [w8, offset] from pack_int8_planes(proj), got ", packed->size(),
+              " tensors");
+  const torch::Tensor& w8 = (*packed)[0];
+  const torch::Tensor& offset = (*packed)[1];
+  const bool packs = yoso::simd::int8_packs();
+  const int64_t cols16 = yoso::simd::packed_cols16(proj.size(2));
+  const int64_t want_w = packs ? proj.size(0) * cols16 * yoso::simd::packed_dpad(proj.size(1)) : 0;
+  const int64_t want_offset = packs ? proj.size(0) * cols16 : 0;
+  TORCH_CHECK(w8.device().is_cpu() && w8.scalar_type() == at::kChar && w8.is_contiguous() && w8.numel() == want_w &&
+                  offset.device().is_cpu() && offset.scalar_type() == at::kInt && offset.is_contiguous() &&
+                  offset.numel() == want_offset,
+              "packed must be pack_int8_planes(proj) for proj ", proj.sizes(), ": int8 (", want_w, ") and int32 (",
+              want_offset, "), got ", c10::toString(w8.scalar_type()), " (", w8.numel(), ") and ",
+              c10::toString(offset.scalar_type()), " (", offset.numel(), ")");
+  return {w8, offset};
 }
 
 namespace {
@@ -297,7 +335,7 @@ torch::Tensor lsh_weighted_cumulate(const torch::Tensor& q_codes, const torch::T
 }
 
 torch::Tensor fast_hash_codes(const torch::Tensor& x, const torch::Tensor& proj, int64_t num_hashes,
-                              int64_t hash_bits, bool int8) {
+                              int64_t hash_bits, bool int8, const c10::optional<std::vector<torch::Tensor>>& packed) {
 #ifdef WITH_CUDA
   TORCH_CHECK(!(int8 && x.is_cuda()), "int8 hashing of CUDA tensors runs in PyTorch (kernels/hashing.py)");
   if (x.is_cuda()) return fast_hash_codes_cuda(x, proj, num_hashes, hash_bits);
@@ -310,12 +348,16 @@ torch::Tensor fast_hash_codes(const torch::Tensor& x, const torch::Tensor& proj,
   TORCH_CHECK(proj.size(0) == x.size(1) && proj.size(1) == x.size(3) && proj.size(2) == num_hashes * hash_bits,
               "proj must be (H, D, num_hashes*hash_bits) = (", x.size(1), ", ", x.size(3), ", ", num_hashes * hash_bits,
               ") for x (B, H, N, D) ", x.sizes(), ", got ", proj.sizes());
-  if (int8) check_int8_planes(proj);
+  const std::vector<torch::Tensor> planes = int8 ? int8_packed(proj, packed) : std::vector<torch::Tensor>{};
   torch::Tensor codes = torch::empty({x.size(0), x.size(1), num_hashes, x.size(2)}, x.options().dtype(at::kInt));
   if (codes.numel() == 0) return codes;
   if (x.size(3) == 0) return codes.zero_();
   yoso::HashParams p{};
   p.int8 = int8;
+  if (int8 && planes[0].numel()) {
+    p.packed = planes[0].data_ptr<int8_t>();
+    p.packed_offset = planes[1].data_ptr<int32_t>();
+  }
   p.x = x.data_ptr<float>();
   p.proj = proj.data_ptr<float>();
   p.codes = codes.data_ptr<int32_t>();
@@ -342,10 +384,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(q_codes, k_codes, q_w, k_w, v, hash_bits) -> (BH, Nq, Dv) fp32", py::arg("q_codes"), py::arg("k_codes"),
         py::arg("q_w"), py::arg("k_w"), py::arg("v"), py::arg("hash_bits"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("pack_int8_planes", &pack_int8_planes,
+        "(proj (H, D, m*tau) fp32 integers in [-127, 127]) -> [w8 int8, offset int32]: validated and packed for the "
+        "int8 hashing body (empty where it reads proj itself); pass as packed= to skip this per call",
+        py::arg("proj"));
   m.def("fast_hash_codes", &fast_hash_codes,
         "(x (B, H, N, D) fp32, proj (H, D, m*tau) fp32, num_hashes, hash_bits, int8=False) -> (B, H, m, N) int32 "
-        "codes (int8: proj holds the quantized planes and rows are hashed quantized)",
+        "codes (int8: proj holds the quantized planes and rows are hashed quantized; packed: pack_int8_planes(proj), "
+        "else packed per call)",
         py::arg("x"), py::arg("proj"), py::arg("num_hashes"), py::arg("hash_bits"), py::arg("int8") = false,
+        py::arg("packed") = py::none(),
         py::call_guard<py::gil_scoped_release>());
 #ifdef WITH_CUDA
   m.def("lsh_cumulate_cuda", &lsh_cumulate_cuda,

@@ -26,6 +26,8 @@ struct HashParams {
   int64_t batch, heads, n, d, m;
   int hash_bits;
   bool int8;          // proj holds integers in [-127, 127]; rows are hashed quantized (yoso_cpu_simd.h)
+  const int8_t* packed;           // int8: pack_planes_i8 of proj when the VNNI body runs, else null
+  const int32_t* packed_offset;   // its column offsets
 };
 
 // q, k, v, out are (B, H, N, D|Dv) views with unit stride along D: element (b, h, i, c) of x is at
@@ -42,6 +44,8 @@ struct AttentionParams {
   int64_t q_stride[3], k_stride[3], v_stride[3], out_stride[3];
   int hash_bits;
   bool int8;             // as HashParams
+  const int8_t* packed;
+  const int32_t* packed_offset;
 };
 
 struct ExactParams {

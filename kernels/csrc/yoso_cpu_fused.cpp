@@ -1,6 +1,6 @@
 // Bindings of the fused CPU ops (registered into the module by yoso_cpu.cpp's PYBIND11_MODULE):
 //
-//   lsh_attention(q, k, v, proj, keep, num_hashes, hash_bits, int8=False) -> (B, H, N, Dv) fp32, inference
+//   lsh_attention(q, k, v, proj, keep, num_hashes, hash_bits, int8=False, packed=None) -> (B, H, N, Dv) fp32
 //   exact_attention(q, k, v, keep, hash_bits)                        -> (B, H, N, Dv) fp32, inference
 //   exact_forward(q, k, v, keep, hash_bits)                          -> (BH, N, Dv) fp32
 //   exact_backward(q, k, v, keep, grad, hash_bits, true_grad, min_sine) -> [grad q, k, v]
@@ -24,7 +24,8 @@
 // with messages that name the limit.
 void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank);
 void check_view(const torch::Tensor& t, const char* name);
-void check_int8_planes(const torch::Tensor& proj);
+std::vector<torch::Tensor> int8_packed(const torch::Tensor& proj,
+                                       const c10::optional<std::vector<torch::Tensor>>& packed);
 
 namespace {
 
@@ -70,7 +71,7 @@ std::pair<yoso::AttentionParams, torch::Tensor> attention_params(const torch::Te
 
 torch::Tensor lsh_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                             const torch::Tensor& proj, const c10::optional<torch::Tensor>& keep, int64_t num_hashes,
-                            int64_t hash_bits, bool int8) {
+                            int64_t hash_bits, bool int8, const c10::optional<std::vector<torch::Tensor>>& packed) {
   TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
               hash_bits);
   TORCH_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
@@ -79,10 +80,14 @@ torch::Tensor lsh_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   TORCH_CHECK(proj.size(0) == q.size(1) && proj.size(1) == q.size(3) && proj.size(2) == num_hashes * hash_bits,
               "proj must be (H, D, num_hashes*hash_bits) = (", q.size(1), ", ", q.size(3), ", ",
               num_hashes * hash_bits, "), got ", proj.sizes());
-  if (int8) check_int8_planes(proj);
+  const std::vector<torch::Tensor> planes = int8 ? int8_packed(proj, packed) : std::vector<torch::Tensor>{};
   if (out.numel() == 0) return out;
   p.proj = proj.data_ptr<float>();
   p.int8 = int8;
+  if (int8 && planes[0].numel()) {
+    p.packed = planes[0].data_ptr<int8_t>();
+    p.packed_offset = planes[1].data_ptr<int32_t>();
+  }
   p.m = num_hashes;
   p.hash_bits = int(hash_bits);
   yoso::lsh_attention(p, at::get_num_threads());
@@ -177,7 +182,8 @@ void register_fused_ops(pybind11::module_& m) {
         "hash_bits, int8=False) -> (B, H, N, Dv) fp32 view of (B, N, H, Dv) memory: hashing and cumulation fused "
         "(int8: proj holds the quantized planes and rows are hashed quantized)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("proj"), py::arg("keep"), py::arg("num_hashes"),
-        py::arg("hash_bits"), py::arg("int8") = false, py::call_guard<py::gil_scoped_release>());
+        py::arg("hash_bits"), py::arg("int8") = false, py::arg("packed") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("exact_attention", &exact_attention,
         "(q, k (B, H, N, D) raw, v (B, H, N, Dv) fp32 views, keep (B, N) bool or None, hash_bits) -> (B, H, N, Dv) "
         "fp32 view of (B, N, H, Dv) memory: YOSO-E for inference, rows normalised inside",

@@ -379,7 +379,7 @@ void lsh_attention(const AttentionParams& a, int nthreads) {
   p.buckets = int64_t(1) << a.hash_bits;
   const int64_t cols = a.m * a.hash_bits, blocks = (a.n + kHashBlock - 1) / kHashBlock;
   const int64_t ops = p.bh * a.n * (2 * a.d * cols + 2 * a.m * a.dv);
-  const simd::PackedPlanes planes = a.int8 ? simd::pack_planes_i8(a.proj, a.heads, a.d, cols) : simd::PackedPlanes{};
+  const simd::PackedPlanes planes{a.packed, a.packed_offset, simd::packed_dpad(a.d), simd::packed_cols16(cols)};
   over_heads<FusedScratch>(p, threads_for(ops, nthreads), [&](const CumulateParams& p, int64_t b, FusedScratch& ws,
                                                              int team) {
     const int64_t batch = b / a.heads, head = b % a.heads;
@@ -414,7 +414,7 @@ void lsh_attention(const AttentionParams& a, int nthreads) {
 
 void hash_codes(const HashParams& p, int nthreads) {
   const int64_t cols = p.m * p.hash_bits, blocks = (p.n + kHashBlock - 1) / kHashBlock;
-  const simd::PackedPlanes packed = p.int8 ? simd::pack_planes_i8(p.proj, p.heads, p.d, cols) : simd::PackedPlanes{};
+  const simd::PackedPlanes packed{p.packed, p.packed_offset, simd::packed_dpad(p.d), simd::packed_cols16(cols)};
 #pragma omp parallel num_threads(threads_for(p.batch * p.heads * p.n * p.d * cols, nthreads))
   {
     std::vector<float> scores(kHashBlock * score_stride(cols));

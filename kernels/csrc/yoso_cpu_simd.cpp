@@ -343,8 +343,8 @@ YOSO_VNNI void hash_vnni(const float* x, int64_t ldx, int64_t rows, int64_t d, c
   u.resize(rows * dpad);
   sign_bits.assign(rows * nb, 0);
   for (int64_t r = 0; r < rows; ++r) quantize_u8_vnni(x + r * ldx, d, dpad, u.data() + r * dpad);
-  const int8_t* w = pp.w.data() + head * pp.cols16 * dpad;
-  const int32_t* off = pp.offset.data() + head * pp.cols16;
+  const int8_t* w = pp.w + head * pp.cols16 * dpad;
+  const int32_t* off = pp.offset + head * pp.cols16;
   constexpr int kRows = 8;
   for (int64_t g = 0; g < groups; ++g) {
     const int8_t* wg = w + g * dpad * 16;
@@ -420,22 +420,20 @@ void gather_rows(const float* const* rows, int64_t nrows, int64_t count, int64_t
 
 const char* level() { return use_avx2() ? "avx2" : "portable"; }
 
-PackedPlanes pack_planes_i8(const float* w, int64_t heads, int64_t d, int64_t cols) {
-  PackedPlanes pp;
-  if (!use_vnni()) return pp;
-  pp.dpad = (d + 3) / 4 * 4;
-  pp.cols16 = (cols + 15) / 16 * 16;
-  pp.w.assign(heads * pp.cols16 * pp.dpad, 0);
-  pp.offset.assign(heads * pp.cols16, 0);
+bool int8_packs() { return use_vnni(); }
+
+void pack_planes_i8(const float* w, int64_t heads, int64_t d, int64_t cols, int8_t* w8, int32_t* offset) {
+  const int64_t dpad = packed_dpad(d), cols16 = packed_cols16(cols);
+  std::fill(w8, w8 + heads * cols16 * dpad, int8_t(0));
+  std::fill(offset, offset + heads * cols16, 0);
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t c = 0; c < d; ++c)
       for (int64_t j = 0; j < cols; ++j) {
         const int32_t value = int32_t(w[(h * d + c) * cols + j]);
         // (head, group, c / 4, column in group, c % 4)
-        pp.w[((h * pp.cols16 + j / 16 * 16) * pp.dpad) + (c / 4) * 64 + (j % 16) * 4 + c % 4] = int8_t(value);
-        pp.offset[h * pp.cols16 + j] += 128 * value;
+        w8[((h * cols16 + j / 16 * 16) * dpad) + (c / 4) * 64 + (j % 16) * 4 + c % 4] = int8_t(value);
+        offset[h * cols16 + j] += 128 * value;
       }
-  return pp;
 }
 
 void hash_rows_i8(const float* x, int64_t ldx, int64_t rows, int64_t d, const float* w, const PackedPlanes& packed,

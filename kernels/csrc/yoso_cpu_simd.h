@@ -32,13 +32,19 @@ void gather_rows(const float* const* rows, int64_t nrows, int64_t count, int64_t
 // Int8 hashing. A row x of d floats is quantized to x8 = round((x / max|x|) * 127) (round half to even;
 // a zero row stays zero), and bit t of hash h is [sum_c x8[c] * w[c][h * bits + t] > 0], summed exactly
 // in integers; w (d, m * bits) holds integers in [-127, 127] as floats (the quantized planes).
-// PackedPlanes holds every head's w in the layout of the AVX-512 VNNI body (empty when another body runs).
+// The VNNI body reads every head's w packed once (pack_planes_i8: the binding caches it per projection):
+// w8 (heads, cols16 / 16, dpad / 4, 16, 4) bytes and offset (heads, cols16) = 128 * column sums (its u8
+// inputs are x8 + 128). Other bodies read w itself and need no packing (int8_packs() false).
 struct PackedPlanes {
-  std::vector<int8_t> w;         // (heads, cols16 / 16, dpad / 4, 16, 4)
-  std::vector<int32_t> offset;   // (heads, cols16): 128 * column sum (the u8 inputs are x8 + 128)
+  const int8_t* w = nullptr;
+  const int32_t* offset = nullptr;
   int64_t dpad = 0, cols16 = 0;  // d rounded up to 4, m * bits rounded up to 16
 };
-PackedPlanes pack_planes_i8(const float* w, int64_t heads, int64_t d, int64_t cols);
+bool int8_packs();
+inline int64_t packed_dpad(int64_t d) { return (d + 3) / 4 * 4; }
+inline int64_t packed_cols16(int64_t cols) { return (cols + 15) / 16 * 16; }
+// w8 and offset as above, sized (heads * cols16 * dpad) and (heads * cols16).
+void pack_planes_i8(const float* w, int64_t heads, int64_t d, int64_t cols, int8_t* w8, int32_t* offset);
 
 // codes[h * code_stride + r] for rows r < rows of x (row stride ldx), hashed as above with head `head`
 // of `w` (heads, d, m * bits) / `packed`. Every body gives the same codes (exact integer sums).

@@ -147,6 +147,30 @@ def test_yoso_attention_int8_same_bits_fused_autograd_and_torch_codes(oracles):
     assert torch.equal(cpp_codes, _kernels("torch", CPU).codes(q, 8, 8, 2, True, True))
 
 
+def test_planes_packed_once_give_the_same_bits_as_packed_per_call(ext):
+    """pack_int8_planes(proj) is what kernels/yoso.py caches per projection; passing it skips the per-call
+    validation and packing (about 0.3 ms, more than hashing a 512-token input)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 70, 48, generator=gen) for _ in range(3))
+    proj = _projection(1, 3, 7, 6, 48, False, CPU, True)  # 42 columns: three 16-column groups, the last partial
+    packed = ext.pack_int8_planes(proj)
+    if ext.int8_level() == "avx512-vnni":
+        assert packed[0].dtype == torch.int8 and packed[0].numel() == 3 * 48 * 48  # heads × 48 columns × D
+        assert packed[1].dtype == torch.int32 and packed[1].numel() == 3 * 48
+    else:  # the other bodies read proj itself
+        assert packed[0].numel() == 0 and packed[1].numel() == 0
+    assert torch.equal(ext.fast_hash_codes(q, proj, 7, 6, True, packed), ext.fast_hash_codes(q, proj, 7, 6, True))
+    assert torch.equal(ext.lsh_attention(q, k, v, proj, None, 7, 6, True, packed),
+                       ext.lsh_attention(q, k, v, proj, None, 7, 6, True))
+    with pytest.raises(RuntimeError, match="packed must be \\[w8, offset\\] from pack_int8_planes\\(proj\\), got 1"):
+        ext.fast_hash_codes(q, proj, 7, 6, True, packed[:1])
+    if packed[0].numel():
+        with pytest.raises(RuntimeError, match="packed must be pack_int8_planes\\(proj\\) for proj"):
+            ext.lsh_attention(q, k, v, proj, None, 7, 6, True, [packed[0][:-1], packed[1]])
+    with pytest.raises(RuntimeError, match="int8 hashing needs proj of integers"):
+        ext.pack_int8_planes(proj + 0.5)
+
+
 def test_bad_int8_input_names_the_limit(ext):
     x = torch.zeros(1, 1, 3, 4)
     with pytest.raises(RuntimeError, match=re.escape("int8 hashing needs proj of integers in [-127, 127], got 0.5")):
@@ -173,7 +197,8 @@ proj = _projection(2, 3, 7, 6, 48, False, torch.device("cpu"), True)
 odd = _projection(2, 3, 5, 3, 48, True, torch.device("cpu"), True)  # 15 columns
 torch.save({"level": ext.int8_level(), "codes": ext.fast_hash_codes(q, proj, 7, 6, True),
             "odd": ext.fast_hash_codes(k, odd, 5, 3, True),
-            "fused": ext.lsh_attention(q, k, v, proj, keep, 7, 6, True)}, sys.argv[1])
+            "fused": ext.lsh_attention(q, k, v, proj, keep, 7, 6, True),
+            "packed": ext.lsh_attention(q, k, v, proj, keep, 7, 6, True, ext.pack_int8_planes(proj))}, sys.argv[1])
 """
 
 
@@ -188,5 +213,5 @@ def test_every_int8_body_gives_the_same_bits(ext, tmp_path):
     assert runs["avx2"]["level"] in ("avx2", "portable")
     assert runs["default"]["level"] in ("avx512-vnni", "avx2", "portable")
     for name in ("avx2", "portable"):
-        for key in ("codes", "odd", "fused"):
+        for key in ("codes", "odd", "fused", "packed"):
             assert torch.equal(runs[name][key], runs["default"][key]), (name, key)
