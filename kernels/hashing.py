@@ -154,18 +154,22 @@ def _head_matrix(seed: int, head: int, num_hashes: int, hash_bits: int, dim: int
     return torch.cat(columns, dim=1).to(torch.float32).contiguous()
 
 
+def _to_int8_levels(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """round((t / max|t|) · 127) along ``dim``, as floats (round half to even); all-zero slices stay zero."""
+    top = t.abs().amax(dim=dim, keepdim=True)
+    return torch.round(t / torch.where(top > 0, top, torch.ones_like(top)) * 127.0)
+
+
 def int8_planes(proj: torch.Tensor) -> torch.Tensor:
     """(..., D, C) projection → its int8 planes as floats: each column scaled to 127 at its largest |entry|
     and rounded (an all-zero column stays zero)."""
-    top = proj.abs().amax(dim=-2, keepdim=True)
-    return torch.round(proj / torch.where(top > 0, top, torch.ones_like(top)) * 127.0)
+    return _to_int8_levels(proj, -2)
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """x (..., D) fp32 → x8 = round((x / max|x|) · 127) per row, as floats; a zero row stays zero.
     The C++ kernels compute the same fp32 division, product and round-half-to-even."""
-    top = x.abs().amax(dim=-1, keepdim=True)
-    return torch.round(x / torch.where(top > 0, top, torch.ones_like(top)) * 127.0)
+    return _to_int8_levels(x, -1)
 
 
 def check_int8_dim(dim: int) -> None:
