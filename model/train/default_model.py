@@ -13,6 +13,8 @@ Stages, each resumable and each writing under ``--work`` (default ``runs/default
     longdoc2  the same training continued on whole 4096-token crops with harder contrast: a queue of
               1024 recent documents (about 128 of any one source: same-source negatives), a lower
               starting temperature, twice the short pairs and twice the distillation weight
+    longdoc3  stage four continued with neighbouring documents (12 consecutive in key order) as each
+              step's batch, and the temperature at 250× the model's lr
     serve-settings  the final model's serving settings into its config.json (int8 hashing), so that every
               evaluation below measures what is served
     eval      student and the plain converted model against the teacher on held-out text; deep and
@@ -160,7 +162,7 @@ def finished(run: Path) -> bool:
 
 
 def final_model(work: Path) -> Path:
-    return work / "longdoc2" / "model"
+    return work / "longdoc3" / "model"
 
 
 def refine_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> list[str]:
@@ -213,6 +215,27 @@ def longdoc2_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> li
     return argv + (["--resume"] if resume else [])
 
 
+LONGDOC3_STEPS = 160  # ≈ 70 min on 2 CPU cores at 4096 tokens
+
+
+def longdoc3_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> list[str]:
+    """Stage five: stage four's model with neighbouring documents as the hard negatives. Of stage four's
+    misses on the source kept out, a quarter landed on a page with the same name prefix (`arrays` →
+    `functions-array`): neighbouring topics. So each step's documents come from 12 consecutive documents
+    of a source in key order (pages of one section), and the temperature, which had not moved at the
+    model's lr (0.0300 → 0.0300 in stage four), gets 250× it."""
+    argv = ["longdoc", "--model", str(work / "longdoc2" / "model"), "--teacher", str(teacher),
+            "--data", str(work / "longdoc-data" / "train_docs.jsonl"), "--out", str(work / "longdoc3"),
+            "--batch-size", "4", "--spans-per-doc", "4", "--short-pairs", "32", "--queue", "1024",
+            "--neighbourhood", "12", "--temperature", "0.03", "--temperature-lr-scale", "250",
+            "--w-distill", "2", "--curriculum", "4096:1", "--doc-hashes", "32", "--query-hashes", "0",
+            "--lr", "2e-5", "--warmup", "0.02", "--max-steps", str(LONGDOC3_STEPS), "--save-every", "10",
+            "--log-every", "1", "--seed", "2", "--save-fp16"]
+    if minutes:
+        argv += ["--max-minutes", str(minutes)]
+    return argv + (["--resume"] if resume else [])
+
+
 # Settings the final model is evaluated and served with, written into its config.json after training.
 # hash_int8: LSH codes from int8 rows and planes, ~3× faster hashing on AVX-512 VNNI CPUs; deep retrieval on
 # the source kept out moved within noise with it (docs/benchmarks.md, "Int8 hashing").
@@ -229,7 +252,8 @@ def apply_served_settings(model_dir: Path) -> dict:
 
 
 # Training stages in pipeline order → the builder of each one's command.
-STAGES = {"distill": distill_argv, "refine": refine_argv, "longdoc": longdoc_argv, "longdoc2": longdoc2_argv}
+STAGES = {"distill": distill_argv, "refine": refine_argv, "longdoc": longdoc_argv, "longdoc2": longdoc2_argv,
+          "longdoc3": longdoc3_argv}
 
 
 def retrieval_argv(work: Path, model: Path, teacher: Path, name: str, docs: str) -> list[str]:
@@ -258,7 +282,7 @@ def finetune_argv(work: Path, model: Path, name: str) -> list[str]:
 
 
 EVALS = ("eval-converted", "eval-student", "retrieval-transfer", "retrieval-heldout", "retrieval-refined",
-         "retrieval-longdoc")
+         "retrieval-longdoc", "retrieval-longdoc2")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,12 +310,14 @@ def main(argv: list[str] | None = None) -> int:
                                                          "retrieval-refined", "transfer")),
         "retrieval-longdoc": lambda: _cli(retrieval_argv(work, work / "longdoc" / "model", teacher,
                                                          "retrieval-longdoc", "transfer")),
+        "retrieval-longdoc2": lambda: _cli(retrieval_argv(work, work / "longdoc2" / "model", teacher,
+                                                          "retrieval-longdoc2", "transfer")),
         "topics-teacher": lambda: _cli(finetune_argv(work, teacher, "topics-teacher")),
         "topics-student": lambda: _cli(finetune_argv(work, final_model(work), "topics-student")),
     }
     groups = {"eval": list(EVALS), "finetune": ["topics-teacher", "topics-student"]}
-    order = ["data", "distill", "refine", "longdoc-data", "longdoc", "longdoc2", "serve-settings", "eval", "finetune",
-             "bundle"] \
+    order = ["data", "distill", "refine", "longdoc-data", "longdoc", "longdoc2", "longdoc3", "serve-settings", "eval",
+             "finetune", "bundle"] \
         if args.stage == "all" else [args.stage]
     for stage in (s for group in order for s in groups.get(group, [group])):
         if stage == "data":

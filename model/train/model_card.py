@@ -21,8 +21,8 @@ from pathlib import Path
 
 from yoso_serve.model import load_pretrained
 
-from .default_model import (LONGDOC_CURRICULUM, distill_argv, final_model, longdoc2_argv, longdoc_argv,
-                            refine_argv)
+from .default_model import (LONGDOC_CURRICULUM, distill_argv, final_model, longdoc2_argv, longdoc3_argv,
+                            longdoc_argv, refine_argv)
 from .runtime import read_events
 
 DEEP_MARGIN = 0.05  # deep recall@1 over the windowed teacher's
@@ -88,9 +88,10 @@ def _long_table(student: dict | None, converted: dict | None) -> list[str]:
     return lines
 
 
-STAGE_NAMES = ("distill", "refine", "longdoc", "longdoc2")
+STAGE_NAMES = ("distill", "refine", "longdoc", "longdoc2", "longdoc3")
 # Deep retrieval of the earlier stages' models on the source kept out: run directory → row label.
-EARLIER = {"retrieval-refined": "refined model (stage 2), one pass", "retrieval-longdoc": "stage 3's model, one pass"}
+EARLIER = {"retrieval-refined": "refined model (stage 2), one pass", "retrieval-longdoc": "stage 3's model, one pass",
+           "retrieval-longdoc2": "stage 4's model, one pass"}
 RECORD = "training.json"
 
 
@@ -165,6 +166,7 @@ def card(work: Path, name: str) -> tuple[str, bool]:
     r_config, r_steps, r_minutes, r_sessions = _stage(work / "refine")
     l_config, l_steps, l_minutes, l_sessions = _stage(work / "longdoc")
     m_config, m_steps, m_minutes, m_sessions = _stage(work / "longdoc2")
+    n_config, n_steps, n_minutes, n_sessions = _stage(work / "longdoc3")
     student, converted = _results(work / "eval-student"), _results(work / "eval-converted")
     transfer, heldout = _results(work / "retrieval-transfer"), _results(work / "retrieval-heldout")
     before = {name: _results(work / name) for name in EARLIER}
@@ -195,7 +197,7 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         f"stdlib html.parser; train / held-out split by page (SHA-1 of the path, 10 %): "
         f"{counts['pages']['train']} train pages, {counts['pages']['heldout']} held-out pages; "
         f"{counts['train_passages']} training passages (≤ 160 words), {counts['heldout_passages']} held-out passages.", "",
-        f"Stage 3: long documents from Debian documentation packages (pages cut at paragraph edges into parts of at "
+        f"Stages 3–5: long documents from Debian documentation packages (pages cut at paragraph edges into parts of at "
         f"most 4000 tokens): {docs['train_docs']} training documents ({docs['train_tokens'] / 1e6:.1f}M tokens; "
         f"{by_source}); {docs['heldout_docs']} held-out documents (5 % of the pages of those sources, split by page); "
         f"PostgreSQL 15's documentation (postgresql-doc-15) kept out of training entirely: {docs['transfer_docs']} "
@@ -205,11 +207,12 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         "## Training", "",
         "```", f"python -m yoso_serve.model.train.default_model all --work {work}"
         + (f" --minutes {config['max_minutes']:g}" if config["max_minutes"] else ""),
-        "# its four training stages:",
+        "# its five training stages:",
         "yoso-train " + " ".join(distill_argv(work, config["teacher"], config["max_minutes"], False)),
         "yoso-train " + " ".join(refine_argv(work, r_config["teacher"], r_config["max_minutes"], False)),
         "yoso-train " + " ".join(longdoc_argv(work, l_config["teacher"], l_config["max_minutes"], False)),
-        "yoso-train " + " ".join(longdoc2_argv(work, m_config["teacher"], m_config["max_minutes"], False)), "```", "",
+        "yoso-train " + " ".join(longdoc2_argv(work, m_config["teacher"], m_config["max_minutes"], False)),
+        "yoso-train " + " ".join(longdoc3_argv(work, n_config["teacher"], n_config["max_minutes"], False)), "```", "",
         "`make default-model` runs the same pipeline; a stage stopped by its time limit continues where it "
         "stopped when the command is run again (`--resume`), and the pipeline goes on only after it finished.", "",
         "Stages 1–2: losses 1 − cos and MSE of the pooled embeddings, MSE of the last hidden states; hash counts "
@@ -237,7 +240,13 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         f"{m_config.get('curriculum')} (tokens:fraction) with harder contrast: a queue of {m_config['queue']} "
         f"documents, a starting temperature of {m_config['temperature']:g}, {m_config['short_pairs']} short pairs, "
         f"distillation weight {m_config['w_distill']:g}, lr {m_config['lr']:g}. {m_minutes:.1f} minutes over "
-        f"{m_sessions} session(s).", "",
+        f"{m_sessions} session(s).",
+        f"5. longdoc3 (seed {n_config['seed']}): stage 4 continued for {n_steps} optimizer steps with neighbouring "
+        f"documents as the hard negatives: each step's {n_config['batch_size']} documents drawn from "
+        f"{n_config.get('neighbourhood')} consecutive documents of one source in key order (pages of one section), "
+        f"the temperature (starting at {n_config['temperature']:g}) at {n_config.get('temperature_lr_scale', 1.0):g}× "
+        f"the lr of the rest, lr {n_config['lr']:g}, otherwise as stage 4. {n_minutes:.1f} minutes over "
+        f"{n_sessions} session(s).", "",
         f"Machine: {machine()}.", "",
         "## Deep retrieval: a paragraph from the second half of a document → that document", "",
         "Documents of 1.2k–4k tokens; the query is one paragraph (≥ 20 words) from each document's second half; "

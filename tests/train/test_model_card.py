@@ -33,9 +33,9 @@ def _deep(student: float, refined: float | None = None) -> list[dict]:
 
 
 def _work(tmp_path: Path, model: Path, student_recall: float, refined_recall: float, short: float = 0.9,
-          stage3_recall: float = 0.5) -> Path:
+          stage3_recall: float = 0.5, stage4_recall: float = 0.55) -> Path:
     work = tmp_path / "work"
-    shutil.copytree(model, work / "longdoc2" / "model")  # the final model is stage four's
+    shutil.copytree(model, work / "longdoc3" / "model")  # the final model is stage five's
     common = {"train_hashes": "0,32", "batch_size": 16, "grad_accum": 1, "max_minutes": 30.0, "teacher": "/teacher"}
     (work / "distill").mkdir()
     (work / "refine").mkdir()
@@ -61,6 +61,13 @@ def _work(tmp_path: Path, model: Path, student_recall: float, refined_recall: fl
          "curriculum": "4096:1", "doc_hashes": "32", "query_hashes": "0", "temperature": 0.03, "w_distill": 2.0}))
     events = [{"event": "start", "time": 8000.0, "step": 0}, {"event": "stop", "time": 8900.0, "step": 50}]
     (work / "longdoc2" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (work / "longdoc3").mkdir(exist_ok=True)
+    (work / "longdoc3" / "config.json").write_text(json.dumps(
+        {**common, "seed": 2, "lr": 2e-5, "batch_size": 4, "spans_per_doc": 4, "queue": 1024, "short_pairs": 32,
+         "curriculum": "4096:1", "doc_hashes": "32", "query_hashes": "0", "temperature": 0.03, "w_distill": 2.0,
+         "neighbourhood": 12, "temperature_lr_scale": 250.0}))
+    events = [{"event": "start", "time": 9000.0, "step": 0}, {"event": "stop", "time": 9420.0, "step": 20}]
+    (work / "longdoc3" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     (work / "longdoc-data").mkdir()
     (work / "longdoc-data" / "counts.json").write_text(json.dumps(
         {"train_docs": 50, "train_tokens": 1.5e6, "train_by_source": {"linux": 30, "python": 20},
@@ -68,7 +75,8 @@ def _work(tmp_path: Path, model: Path, student_recall: float, refined_recall: fl
     shorts = [{"method": "student", "pairs": 40, "recall_at_1": short, "mrr_at_10": 0.95},
               {"method": "teacher", "pairs": 40, "recall_at_1": 0.9, "mrr_at_10": 0.95}]
     for name, recall in (("retrieval-transfer", student_recall), ("retrieval-heldout", student_recall),
-                         ("retrieval-refined", refined_recall), ("retrieval-longdoc", stage3_recall)):
+                         ("retrieval-refined", refined_recall), ("retrieval-longdoc", stage3_recall),
+                         ("retrieval-longdoc2", stage4_recall)):
         (work / name).mkdir()
         (work / name / "results.json").write_text(json.dumps({"deep_retrieval": _deep(recall),
                                                               "short_retrieval": shorts}))
@@ -106,13 +114,18 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert "4. longdoc2 (seed 1): stage 3 continued for 50 optimizer steps on crops of 4096:1" in card
     assert "a queue of 1024 documents, a starting temperature of 0.03, 32 short pairs" in card
     assert "15.0 minutes over 1 session(s)" in card and "yoso-train longdoc --model" in card
+    assert "| stage 4's model, one pass | 300 | 0.550 | 0.600 | 2.00 |" in card
+    assert "5. longdoc3 (seed 2): stage 4 continued for 20 optimizer steps with neighbouring documents" in card
+    assert "drawn from 12 consecutive documents of one source in key order" in card
+    assert "at 250× the lr of the rest, lr 2e-05, otherwise as stage 4. 7.0 minutes over 1 session(s)" in card
+    assert "--neighbourhood 12 --temperature 0.03 --temperature-lr-scale 250" in card
     assert "--conv-window 33 --conv-lr-scale 40" in card and "yoso-train longdoc --model" in card
     assert "| 32 | 0.9180 | 0.8180 |" in card  # agreement is still reported
     assert "int8 hashing" not in card  # the tiny model hashes in fp32
 
 
     winning = _work(tmp_path / "win", tiny_yoso, student_recall=0.75, refined_recall=0.62, short=0.85)
-    default_model.apply_served_settings(winning / "longdoc2" / "model")
+    default_model.apply_served_settings(winning / "longdoc3" / "model")
     assert bundle(winning, target)
     card = (target / "MODEL_CARD.md").read_text()
     assert "int8 hashing (`hash_int8`" in card and load_pretrained(target).config.hash_int8
@@ -120,9 +133,11 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert "deep recall@1 at least the windowed teacher's + 0.05: met" in card
     assert "short recall@1 at least 0.97 × the teacher's: not met" in card  # 0.85 < 0.97 × 0.9
     assert load_pretrained(target).config.hidden_size == 32
-    # beating the refined model is not enough when stage three did better than the final model
+    # beating the refined model is not enough when stage three or four did better than the final model
     assert not bundle(_work(tmp_path / "worse", tiny_yoso, student_recall=0.70, refined_recall=0.62,
                             stage3_recall=0.72), tmp_path / "bundled-worse" / "yoso-test")
+    assert not bundle(_work(tmp_path / "worse4", tiny_yoso, student_recall=0.70, refined_recall=0.62,
+                            stage4_recall=0.71), tmp_path / "bundled-worse4" / "yoso-test")
 
 
 def test_a_pipeline_started_from_a_bundle_reports_its_earlier_stages_from_the_bundles_record(tiny_yoso, tmp_path):
@@ -131,7 +146,8 @@ def test_a_pipeline_started_from_a_bundle_reports_its_earlier_stages_from_the_bu
     assert bundle(first, target)
     record = json.loads((target / "training.json").read_text())["stages"]
     assert {k: (v["steps"], v["minutes"], v["sessions"]) for k, v in record.items()} == \
-        {"distill": (40, 30.5, 2), "refine": (12, 5.0, 1), "longdoc": (30, 10.0, 1), "longdoc2": (50, 15.0, 1)}
+        {"distill": (40, 30.5, 2), "refine": (12, 5.0, 1), "longdoc": (30, 10.0, 1), "longdoc2": (50, 15.0, 1),
+         "longdoc3": (20, 7.0, 1)}
     # another machine: only the bundle (as the starting model) and a new long-document run
     again = _work(tmp_path / "again", tiny_yoso, student_recall=0.8, refined_recall=0.75)
     for name in ("distill", "refine", "retrieval-heldout"):
@@ -177,14 +193,21 @@ def test_pipeline_waits_for_a_stage_stopped_by_its_time_limit(tmp_path, monkeypa
     (work / "longdoc2").mkdir()
     (work / "longdoc2" / "metrics.jsonl").write_text(json.dumps({**stop, "reason": "done"}) + "\n")
     calls.clear()
+    assert default_model.main(["all", "--work", str(work), "--minutes", "1"]) == 0
+    assert calls[-1] == str(work / "longdoc3")  # and stage five after stage four
+
+    (work / "longdoc3").mkdir()
+    (work / "longdoc3" / "metrics.jsonl").write_text(json.dumps({**stop, "reason": "done"}) + "\n")
+    calls.clear()
     monkeypatch.setattr("yoso_serve.model.train.model_card.bundle", lambda *a: calls.append("bundle"))
-    (work / "longdoc2" / "model").mkdir()
-    (work / "longdoc2" / "model" / "config.json").write_text(json.dumps({"num_hash": 32, "hash_int8": False}))
+    (work / "longdoc3" / "model").mkdir()
+    (work / "longdoc3" / "model" / "config.json").write_text(json.dumps({"num_hash": 32, "hash_int8": False}))
     assert default_model.main(["all", "--work", str(work)]) == 0
     # the evaluations and the bundle see the served settings
-    assert json.loads((work / "longdoc2" / "model" / "config.json").read_text()) == {"num_hash": 32, "hash_int8": True}
-    assert calls[:5] == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc"),
-                         str(work / "longdoc2")]
-    assert calls[5:11] == [str(work / n) for n in ("eval-converted", "eval-student", "retrieval-transfer",
-                                                   "retrieval-heldout", "retrieval-refined", "retrieval-longdoc")]
-    assert calls[-1] == "bundle" and len(calls) == 14  # + topics-teacher, topics-student
+    assert json.loads((work / "longdoc3" / "model" / "config.json").read_text()) == {"num_hash": 32, "hash_int8": True}
+    assert calls[:6] == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc"),
+                         str(work / "longdoc2"), str(work / "longdoc3")]
+    assert calls[6:13] == [str(work / n) for n in ("eval-converted", "eval-student", "retrieval-transfer",
+                                                   "retrieval-heldout", "retrieval-refined", "retrieval-longdoc",
+                                                   "retrieval-longdoc2")]
+    assert calls[-1] == "bundle" and len(calls) == 16  # + topics-teacher, topics-student
