@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -39,6 +38,10 @@ from statistics import median
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+
+# appended, not prepended: PYTHONSAFEPATH keeps bench/ off the path, and bench/onnx.py must not shadow onnx
+sys.path.append(str(Path(__file__).resolve().parent))
+from _sections import machine  # noqa: E402
 
 from yoso_serve.kernels import backend_info, yoso_attention
 from yoso_serve.kernels.hashing import _projection
@@ -273,13 +276,6 @@ def run_error(args) -> dict:
     return errors
 
 
-def machine() -> str:
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines()
-        model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    return f"{model}, {torch.get_num_threads()} threads, torch {torch.__version__}, Python {platform.python_version()}"
 
 
 def speed_tables(speed: dict, args) -> str:

@@ -24,14 +24,13 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent))
-from _sections import write_section  # noqa: E402
+from _sections import machine, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out" / "crossover.json"
@@ -39,11 +38,6 @@ PLOT = ROOT / "docs" / "img" / "crossover.png"
 SECTION = "## Exact vs LSH crossover"
 
 
-def machine() -> str:
-    import torch
-
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, "
-            f"torch {torch.__version__} ({torch.get_num_threads()} threads), CPU only")
 
 
 def time_point(model, batch: int, n: int, lsh: int, repeats: int) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 
 # appended, not prepended: bench/onnx.py must not shadow the onnx package (PYTHONSAFEPATH keeps bench/ off the path)
 sys.path.append(str(Path(__file__).resolve().parent))
-from _sections import write_section  # noqa: E402
+from _sections import machine, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "model" / "bundled" / "yoso-minilm-l6-4096"
@@ -79,10 +78,6 @@ def measure(yoso, softmax, batch: int, n: int, repeats: int, clock=time.perf_cou
     return {mode: median(t) for mode, t in times.items()}
 
 
-def machine() -> str:
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{platform.machine()}, {os.cpu_count()} cores visible, torch {torch.__version__} "
-            f"({torch.get_num_threads()} threads), CPU only; 1/5/15-min load average at the end {load}")
 
 
 def table(rows: list[dict]) -> str:
@@ -142,7 +137,9 @@ def main() -> None:
         print(rows[-1], file=sys.stderr, flush=True)
     md = table(rows)
     command = "PYTHONSAFEPATH=1 .venv/bin/python bench/model.py " + " ".join(sys.argv[1:])
-    print(f"machine: {machine()}\nbackend: {backend_info()['backend']}\ncommand: {command}\n\n{md}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"machine: {machine()}; 1/5/15-min load average at the end {load}\n"
+          f"backend: {backend_info()['backend']}\ncommand: {command}\n\n{md}")
     plot(rows, args.plot)
     if args.write_docs:
         write_section(SECTION,
@@ -151,7 +148,8 @@ def main() -> None:
             f"served) with 32 hashes (and, for comparison, 32 hashes in fp32) and exact YOSO-E, against the same weights "
             f"with softmax attention (`attention_type=\"softmax\"`, convolution dropped), random token ids, no "
             f"padding. The modes run interleaved inside each of {args.repeats} repeats in one process; "
-            f"the median is shown. Command: `{command.strip()}`. Machine: {machine()}.\n\n{md}\n\n"
+            f"the median is shown. Command: `{command.strip()}`. Machine: {machine()}; 1/5/15-min load "
+            f"average at the end {load}.\n\n{md}\n\n"
             f"![model forward](img/{PLOT.name})")
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ import torch
 
 # appended, not prepended: bench/onnx.py must not shadow the onnx package (PYTHONSAFEPATH keeps bench/ off the path)
 sys.path.append(str(Path(__file__).resolve().parent))
-from _sections import write_section  # noqa: E402
+from _sections import cpu_name, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PLOT = ROOT / "docs" / "img" / "onnx_vs_torch.png"
@@ -65,7 +64,7 @@ def measure(torch_model, onnx_model, n: int, batch_tokens: int, repeats: int) ->
 def machine(threads: int, loads: list[float]) -> str:
     import onnxruntime
 
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores visible; "
+    return (f"{cpu_name()}, {os.cpu_count()} cores visible; "
             f"torch {torch.__version__} ({threads} threads, C++ LSH backend), onnxruntime {onnxruntime.__version__} "
             f"(CPUExecutionProvider, 1 intra-op thread); 1-minute load average {min(loads):.1f}–{max(loads):.1f} during the run"
             + (" (other jobs shared the cores: absolute times are inflated, the ratios are the result)"

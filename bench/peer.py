@@ -38,8 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.append(str(Path(__file__).resolve().parent))
-from _sections import write_section  # noqa: E402
-from crossover import machine  # noqa: E402
+from _sections import machine, write_section  # noqa: E402
 from load import drive, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -33,7 +33,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+
+# appended, not prepended: PYTHONSAFEPATH keeps bench/ off the path, and bench/onnx.py must not shadow onnx
+sys.path.append(str(Path(__file__).resolve().parent))
+from _sections import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PLOT = ROOT / "docs" / "img" / "zoo.png"
@@ -71,9 +74,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def machine() -> str:
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, torch "
-            f"{torch.__version__} ({torch.get_num_threads()} threads), CPU only")
 
 
 def real_text() -> tuple[str, str]:
