@@ -51,6 +51,7 @@ struct AttentionParams {
 struct ExactParams {
   const float* q;     // (BH, N, D) unit rows
   const float* k;     // (BH, N, D) unit rows
+  const float* kt;    // forward, optional: the same keys transposed, (BH, D, N); null = transpose k
   const float* v;     // (BH, N, Dv)
   const float* keep;  // (BH, N) 0/1: padded keys weigh nothing, padded queries give zero rows
   const float* grad;  // (BH, N, Dv) d loss / d out, backward only

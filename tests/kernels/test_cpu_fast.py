@@ -212,6 +212,23 @@ def test_portable_bodies_agree_with_the_avx2_ones(ext, tmp_path):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dim", [5, 13, 32, 40])  # the row norms sum 8 lanes then a tail: below, at and past 8
+def test_exact_attention_normalises_raw_rows_like_its_oracle(ext, oracles, dim):
+    """exact_attention takes raw q, k (any scale, strided head-split views), makes unit rows and the
+    transposed keys itself, and equals the oracle on unit rows and exact_forward on pre-normalised ones."""
+    gen = torch.Generator().manual_seed(dim)
+    q, k, v = (torch.randn(2, 61, 3, dim, generator=gen).transpose(1, 2) for _ in range(3))
+    q, k = q * 7.5, k * 0.01  # the scale of a row never reaches the collision probability
+    keep = oracles.lengths_mask([61, 40], 61)
+    got = ext.exact_attention(q, k, v, keep, 8)
+    expected = oracles.naive_yoso_e(q, k, v, keep, 8)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)
+    unit = [torch.nn.functional.normalize(t, dim=-1).reshape(6, 61, dim).contiguous() for t in (q, k)]
+    keep_rows = keep[:, None, :].expand(2, 3, 61).reshape(6, 61).float()
+    flat = ext.exact_forward(*unit, v.reshape(6, 61, dim).contiguous(), keep_rows, 8)
+    torch.testing.assert_close(got.reshape(6, 61, dim), flat, rtol=1e-4, atol=1e-5)  # rounding of the norms only
+
+
 @pytest.mark.parametrize("dim", [48, 32])  # 32: the cumulation's fixed-width body, reading strided values
 def test_fused_ops_read_head_split_views_and_write_merged_heads(ext, oracles, dim):
     """(B, H, N, D) views of (B, N, H, D) memory go in without copies; the output is such a view,
