@@ -41,6 +41,7 @@ test: install-dev
 bench: install-dev
 	$(PY) bench/attention.py
 	$(PY) bench/model.py
+	$(PY) bench/linear.py
 
 # The peer of bench/peer.py in a venv of its own (ignored by git, under bench/out): infinity-emb with its
 # torch engine, held to the same CPU torch by a constraints file, and the packaged all-MiniLM-L6-v2.

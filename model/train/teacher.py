@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..encoder import Linear  # oneDNN on CPU at inference: the teacher only ever runs frozen
+
 _ACTS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "swish": F.silu}
 _PREFIXES = ("bert.", "model.", "roberta.", "encoder_model.")
@@ -34,20 +36,21 @@ class _Layer(nn.Module):
         self.heads = heads
         self.attention = nn.Module()
         self.attention.self = nn.Module()
-        self.attention.self.query = nn.Linear(hidden, hidden)
-        self.attention.self.key = nn.Linear(hidden, hidden)
-        self.attention.self.value = nn.Linear(hidden, hidden)
+        self.attention.self.query = Linear(hidden, hidden)
+        self.attention.self.key = Linear(hidden, hidden)
+        self.attention.self.value = Linear(hidden, hidden)
         self.attention.output = nn.Module()
-        self.attention.output.dense = nn.Linear(hidden, hidden)
+        self.attention.output.dense = Linear(hidden, hidden)
         self.attention.output.LayerNorm = nn.LayerNorm(hidden, eps=eps)
         self.intermediate = nn.Module()
-        self.intermediate.dense = nn.Linear(hidden, inter)
+        self.intermediate.dense = Linear(hidden, inter)
         self.output = nn.Module()
-        self.output.dense = nn.Linear(inter, hidden)
+        self.output.dense = Linear(inter, hidden)
         self.output.LayerNorm = nn.LayerNorm(hidden, eps=eps)
         if act not in _ACTS:
             raise ValueError(f"teacher hidden_act must be one of {sorted(_ACTS)}, got {act!r}")
         self.act = _ACTS[act]
+        self.act_name = act
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """x: (B, N, hidden); bias: (B, 1, 1, N) additive mask (0 or -inf-like)."""
@@ -58,8 +61,9 @@ class _Layer(nn.Module):
                    for lin in (sa.query, sa.key, sa.value))
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         ctx = ctx.transpose(1, 2).reshape(b, n, d)  # back to (B, N, hidden)
-        x = self.attention.output.LayerNorm(x + self.attention.output.dense(ctx))
-        return self.output.LayerNorm(x + self.output.dense(self.act(self.intermediate.dense(x))))
+        x = self.attention.output.LayerNorm(self.attention.output.dense.plus(ctx, x))
+        inner = self.intermediate.dense.activated(x, self.act_name, self.act)
+        return self.output.LayerNorm(self.output.dense.plus(inner, x))
 
 
 class BertTeacher(nn.Module):

@@ -113,3 +113,57 @@ def test_encoder_input_errors(kit):
         model.classify(ids, mask)
     with pytest.raises(ValueError, match="no masked-LM head"):
         model.mlm_logits(ids, mask)
+
+
+def test_linear_takes_onednn_only_for_cpu_fp32_inference(monkeypatch):
+    """The encoder's Linear: oneDNN for frozen fp32 CPU inference, within fp32 rounding of F.linear and
+    row-independent; F.linear (with its gradient) for training, other dtypes and tracing."""
+    from yoso_serve.model import encoder
+
+    if encoder.ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    def counted_binary(*args):
+        calls.append(args[0].shape)
+        return real.binary(*args)
+
+    real = encoder.ONEDNN_LINEAR
+    counted.binary = counted_binary
+    monkeypatch.setattr(encoder, "ONEDNN_LINEAR", counted)
+    torch.manual_seed(0)
+    lin = encoder.Linear(48, 80)
+    x = torch.randn(3, 40, 48)[:, ::2]  # a strided view, as the chunked FFN's slices are
+    with torch.no_grad():
+        fast = lin(x)
+        ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
+        torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(lin(x[1:2]), fast[1:2])  # a row alone gives the bits it gives in a batch
+        assert len(calls) == 2
+        lin.bias = None
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight), atol=1e-5, rtol=1e-5)
+        assert len(calls) == 3
+        assert lin.to(torch.bfloat16)(x.bfloat16()).dtype == torch.bfloat16 and len(calls) == 3
+        lin.float()
+        lin.bias = torch.nn.Parameter(torch.randn(80))
+        ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
+        # the epilogues: GELU (erf) and ReLU as aten computes them, bit for bit; the residual add
+        for name, act in (("gelu", torch.nn.functional.gelu), ("relu", torch.nn.functional.relu)):
+            assert torch.equal(lin.activated(x, name, act), act(lin(x)))
+            torch.testing.assert_close(lin.activated(x, name, act), act(ref), atol=1e-5, rtol=1e-5)
+        tanh = encoder.activation("gelu_new")
+        assert torch.equal(lin.activated(x, "gelu_new", tanh), tanh(lin(x)))  # not fused: a pass of its own
+        other = torch.randn(3, 40, 80)[:, ::2]
+        assert torch.equal(lin.plus(x, other), lin(x) + other)
+        torch.testing.assert_close(lin.plus(x, other), ref + other, atol=1e-5, rtol=1e-5)
+        calls.clear()
+    out = lin(x) + lin.plus(x, x[..., :1]) + lin.activated(x, "gelu", torch.nn.functional.gelu)  # training:
+    out.sum().backward()  # autograd's F.linear
+    assert not calls and lin.weight.grad is not None
+    with torch.no_grad():
+        torch.jit.trace(lin, x, check_trace=False)  # tracing (the ONNX exporter's route) records F.linear
+    assert not calls

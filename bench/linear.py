@@ -1,0 +1,100 @@
+"""The encoder's dense layers: aten's ``F.linear`` (the BLAS call torch makes, MKL in the CPU wheel)
+against the encoder's ``Linear`` (oneDNN's fp32 GEMM, with GELU or the residual add in its epilogue),
+on the MiniLM shapes of one layer, in GFLOP/s.
+
+Per row count (batch × tokens) the four GEMMs of a layer run both ways, interleaved inside every
+repeat, each after a warm-up; the median of ``--repeats`` is shown. "epilogue" rows compare
+``gelu(F.linear(x))`` with ``Linear.activated`` and ``F.linear(x) + r`` with ``Linear.plus``: what the
+encoder runs. Prints a markdown table; ``--write-docs`` replaces the "## Dense layers" section of
+docs/benchmarks.md.
+
+    PYTHONSAFEPATH=1 .venv/bin/python bench/linear.py [--rows 128 2048 4096] [--write-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+import torch
+import torch.nn.functional as F
+
+sys.path.append(str(Path(__file__).resolve().parent))
+from _sections import machine, write_section  # noqa: E402
+
+SECTION = "## Dense layers"
+# (what, in features, out features, epilogue): one MiniLM-L6 layer (hidden 384, intermediate 1536)
+GEMMS = [("Q, K, V, attention output", 384, 384, None), ("FFN in, + GELU", 384, 1536, "gelu"),
+         ("FFN out, + residual", 1536, 384, "add")]
+
+
+def measure(rows: int, repeats: int) -> list[dict]:
+    from yoso_serve.model.encoder import ONEDNN_LINEAR, Linear
+
+    if ONEDNN_LINEAR is None:
+        raise SystemExit("this torch has no oneDNN linear: nothing to compare")
+    out = []
+    torch.manual_seed(0)
+    for what, d_in, d_out, epilogue in GEMMS:
+        lin = Linear(d_in, d_out).eval()
+        x, r = torch.randn(rows, d_in), torch.randn(rows, d_out)
+        if epilogue == "gelu":
+            runs = {"aten": lambda: F.gelu(F.linear(x, lin.weight, lin.bias)),
+                    "oneDNN": lambda: lin.activated(x, "gelu", F.gelu)}
+        elif epilogue == "add":
+            runs = {"aten": lambda: F.linear(x, lin.weight, lin.bias) + r, "oneDNN": lambda: lin.plus(x, r)}
+        else:
+            runs = {"aten": lambda: F.linear(x, lin.weight, lin.bias), "oneDNN": lambda: lin(x)}
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        with torch.inference_mode():
+            for fn in runs.values():
+                fn()
+            for _ in range(repeats):
+                for k, fn in runs.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    times[k].append(time.perf_counter() - t0)
+        flops = 2 * rows * d_in * d_out
+        out.append({"rows": rows, "what": what, **{k: median(v) for k, v in times.items()}, "flops": flops})
+    return out
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| rows | GEMM (in → out) | aten ms | GFLOP/s | oneDNN ms | GFLOP/s | aten / oneDNN time |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        g = GEMMS[[w for w, *_ in GEMMS].index(r["what"])]
+        lines.append(f"| {r['rows']} | {r['what']} ({g[1]} → {g[2]}) | {r['aten'] * 1e3:.2f} | "
+                     f"{r['flops'] / r['aten'] / 1e9:.0f} | {r['oneDNN'] * 1e3:.2f} | "
+                     f"{r['flops'] / r['oneDNN'] / 1e9:.0f} | {r['aten'] / r['oneDNN']:.2f}× |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[128, 2048, 4096],
+                   help="batch × tokens (2048: 16 texts of 128 tokens)")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own)")
+    p.add_argument("--write-docs", action="store_true")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = [r for rows in args.rows for r in measure(rows, args.repeats)]
+    md = table(results)
+    command = "PYTHONSAFEPATH=1 .venv/bin/python bench/linear.py " + " ".join(sys.argv[1:])
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"machine: {machine()}; load average at the end {load}\ncommand: {command}\n\n{md}")
+    if args.write_docs:
+        write_section(SECTION, f"The dense layers of one MiniLM-L6 layer, aten's `F.linear` (MKL) against the "
+                      f"encoder's `Linear` (oneDNN, epilogue fused), medians of {args.repeats} interleaved runs. "
+                      f"Command: `{command.strip()}`. Machine: {machine()}; load average at the end {load}."
+                      f"\n\n{md}")
+
+
+if __name__ == "__main__":
+    main()
