@@ -195,6 +195,25 @@ def longdoc_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> lis
     return argv + (["--resume"] if resume else [])
 
 
+def _harder_argv(work: Path, teacher: Path, minutes: float, resume: bool, *, start: str, stage: str, steps: int,
+                 seed: int, neighbourhood: int = 0) -> list[str]:
+    """The ``yoso-train longdoc`` command of stages four and five: the model of stage ``start`` trained on
+    whole 4096-token crops with a 1024-document queue, a starting temperature of 0.03, 32 short pairs and
+    distillation weight 2; with ``neighbourhood``, a step's documents come from that many consecutive
+    documents of one source and the temperature learns at 250× the lr."""
+    near = (["--neighbourhood", str(neighbourhood), "--temperature", "0.03", "--temperature-lr-scale", "250"]
+            if neighbourhood else ["--temperature", "0.03"])
+    argv = ["longdoc", "--model", str(work / start / "model"), "--teacher", str(teacher),
+            "--data", str(work / "longdoc-data" / "train_docs.jsonl"), "--out", str(work / stage),
+            "--batch-size", "4", "--spans-per-doc", "4", "--short-pairs", "32", "--queue", "1024", *near,
+            "--w-distill", "2", "--curriculum", "4096:1", "--doc-hashes", "32", "--query-hashes", "0",
+            "--lr", "2e-5", "--warmup", "0.02", "--max-steps", str(steps), "--save-every", "10",
+            "--log-every", "1", "--seed", str(seed), "--save-fp16"]
+    if minutes:
+        argv += ["--max-minutes", str(minutes)]
+    return argv + (["--resume"] if resume else [])
+
+
 LONGDOC2_STEPS = 360  # ≈ 4–5 hours on 2 CPU cores at 4096 tokens
 
 
@@ -204,15 +223,8 @@ def longdoc2_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> li
     of the batch's source; deep retrieval had stopped improving while agreement with the teacher on short
     texts fell (1 − cos 0.07 → 0.12). So: 1024 queued documents, a starting temperature of 0.03, 32 short
     pairs and the distillation weight doubled."""
-    argv = ["longdoc", "--model", str(work / "longdoc" / "model"), "--teacher", str(teacher),
-            "--data", str(work / "longdoc-data" / "train_docs.jsonl"), "--out", str(work / "longdoc2"),
-            "--batch-size", "4", "--spans-per-doc", "4", "--short-pairs", "32", "--queue", "1024",
-            "--temperature", "0.03", "--w-distill", "2", "--curriculum", "4096:1", "--doc-hashes", "32",
-            "--query-hashes", "0", "--lr", "2e-5", "--warmup", "0.02", "--max-steps", str(LONGDOC2_STEPS),
-            "--save-every", "10", "--log-every", "1", "--seed", "1", "--save-fp16"]
-    if minutes:
-        argv += ["--max-minutes", str(minutes)]
-    return argv + (["--resume"] if resume else [])
+    return _harder_argv(work, teacher, minutes, resume, start="longdoc", stage="longdoc2", steps=LONGDOC2_STEPS,
+                        seed=1)
 
 
 LONGDOC3_STEPS = 160  # ≈ 70 min on 2 CPU cores at 4096 tokens
@@ -224,16 +236,8 @@ def longdoc3_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> li
     `functions-array`): neighbouring topics. So each step's documents come from 12 consecutive documents
     of a source in key order (pages of one section), and the temperature, which had not moved at the
     model's lr (0.0300 → 0.0300 in stage four), gets 250× it."""
-    argv = ["longdoc", "--model", str(work / "longdoc2" / "model"), "--teacher", str(teacher),
-            "--data", str(work / "longdoc-data" / "train_docs.jsonl"), "--out", str(work / "longdoc3"),
-            "--batch-size", "4", "--spans-per-doc", "4", "--short-pairs", "32", "--queue", "1024",
-            "--neighbourhood", "12", "--temperature", "0.03", "--temperature-lr-scale", "250",
-            "--w-distill", "2", "--curriculum", "4096:1", "--doc-hashes", "32", "--query-hashes", "0",
-            "--lr", "2e-5", "--warmup", "0.02", "--max-steps", str(LONGDOC3_STEPS), "--save-every", "10",
-            "--log-every", "1", "--seed", "2", "--save-fp16"]
-    if minutes:
-        argv += ["--max-minutes", str(minutes)]
-    return argv + (["--resume"] if resume else [])
+    return _harder_argv(work, teacher, minutes, resume, start="longdoc2", stage="longdoc3", steps=LONGDOC3_STEPS,
+                        seed=2, neighbourhood=12)
 
 
 # Settings the final model is evaluated and served with, written into its config.json after training.
@@ -316,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         "topics-student": lambda: _cli(finetune_argv(work, final_model(work), "topics-student")),
     }
     groups = {"eval": list(EVALS), "finetune": ["topics-teacher", "topics-student"]}
-    order = ["data", "distill", "refine", "longdoc-data", "longdoc", "longdoc2", "longdoc3", "serve-settings", "eval",
-             "finetune", "bundle"] \
+    order = ["data", "distill", "refine", "longdoc-data", "longdoc", "longdoc2", "longdoc3",
+             "serve-settings", "eval", "finetune", "bundle"] \
         if args.stage == "all" else [args.stage]
     for stage in (s for group in order for s in groups.get(group, [group])):
         if stage == "data":
