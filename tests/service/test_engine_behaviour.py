@@ -98,3 +98,41 @@ def test_long_input_chunk_on_a_document_three_times_the_max(tiny_dir, default_di
     assert int(chunked.headers["x-compute-tokens"]) == computed  # every window, overlap and specials included
     np.testing.assert_allclose(normed.json()[0], want / np.linalg.norm(want), atol=1e-4)
     assert not np.allclose(np.array(cut.json()[0]), want, atol=1e-3)  # truncation sees only the start
+
+
+def test_the_model_loads_on_a_thread_that_ends_before_serving(tiny_dir, serve):
+    """No thread but the batcher keeps an OpenMP team of torch's: the load runs on a thread of its own
+    that is gone once the app is ready (a live one, like an executor's, slowed every forward ~1.5×)."""
+    import threading
+
+    from yoso_serve.model import load_pretrained
+
+    seen = []
+
+    def load():
+        seen.append(threading.current_thread())
+        return load_pretrained(tiny_dir)
+
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16, load_model=load) as c:
+            return (await c.post("/embed", json={"inputs": "hello"})).status_code
+
+    assert asyncio.run(main()) == 200
+    assert len(seen) == 1 and seen[0] is not threading.main_thread()
+    seen[0].join(timeout=10)  # an executor's worker would never end
+    assert seen[0].name == "yoso-load" and not seen[0].is_alive()
+
+
+def test_a_load_error_still_fails_the_start(tiny_dir, serve):
+    def load():
+        raise OSError("disk on fire")
+
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16, load_model=load, wait_ready=False) as c:
+            try:
+                await c.app.state.startup
+            except OSError as exc:
+                return str(exc), c.app.state.engine.state, c.app.state.engine.failure
+            return None
+
+    assert asyncio.run(main()) == ("disk on fire", "failed", "OSError: disk on fire")
