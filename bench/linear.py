@@ -2,7 +2,7 @@
 against the encoder's ``Linear`` (oneDNN's fp32 GEMM, with GELU or the residual add in its epilogue),
 on the MiniLM shapes of one layer, in GFLOP/s.
 
-Per row count (batch × tokens) the four GEMMs of a layer run both ways, interleaved inside every
+Per row count (batch × tokens) each GEMM shape of a layer runs both ways, interleaved inside every
 repeat, each after a warm-up; the median of ``--repeats`` is shown. "epilogue" rows compare
 ``gelu(F.linear(x))`` with ``Linear.activated`` and ``F.linear(x) + r`` with ``Linear.plus``: what the
 encoder runs. Prints a markdown table; ``--write-docs`` replaces the "## Dense layers" section of

@@ -73,9 +73,9 @@ class Linear(nn.Linear):
     runs oneDNN's GEMM instead of aten's BLAS call, optionally with the activation or the residual
     add applied in the GEMM's epilogue. Same precision (fp32 products and sums, no reduced-precision
     mode), results within fp32 rounding of aten's, and row-independent as aten's (a text's rows give
-    the same bits alone or in a batch). Why: on an AMD EPYC (Zen 4) the MKL sgemm behind aten ran the
-    model's shapes at 90–177 GFLOP/s and oneDNN at 186–208 (2048 rows, 384 ↔ 1536, 2 cores); these
-    GEMMs are ~75 % of a short-text forward, and the separate GELU pass over the (rows, 1536) output
+    the same bits alone or in a batch). Why: on an AMD EPYC (Zen 4, 2 cores) the MKL sgemm behind aten
+    ran the model's shapes at 87–154 GFLOP/s and oneDNN at 120–185 (bench/linear.py); these GEMMs are
+    ~75 % of a short-text forward, and the separate GELU pass over the (rows, 1536) output
     another ~20 %. Anything with a gradient, another device or dtype, and tracing or export (ONNX)
     take the plain ``F.linear``."""
 

@@ -64,8 +64,12 @@ async def in_own_thread(fn: Callable[[], object], name: str) -> object:
     done = loop.create_future()
 
     def settle(error: BaseException | None, value: object) -> None:
-        if not done.done():
-            done.set_exception(error) if error is not None else done.set_result(value)
+        if done.done():  # the awaiting coroutine was cancelled
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(value)
 
     def target() -> None:
         try:
