@@ -54,7 +54,6 @@ def chunk_windows(n_tokens: int, window: int, overlap: int) -> list[tuple[int, i
         start = stop - overlap
 
 
-
 async def in_own_thread(fn: Callable[[], object], name: str) -> object:
     """``fn()`` on a new thread that ends with it. Not ``asyncio.to_thread``: the model load runs torch ops
     in parallel, and OpenMP keeps a team for every thread that ran a parallel region while that thread
@@ -81,6 +80,7 @@ async def in_own_thread(fn: Callable[[], object], name: str) -> object:
 
     threading.Thread(target=target, name=name, daemon=True).start()
     return await done
+
 
 class Engine:
     """Serves one model. ``load_model()`` (called on a worker thread at start) returns a
