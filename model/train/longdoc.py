@@ -65,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--neighbourhood", type=int, default=0,
                    help="draw a step's documents from this many consecutive documents of one source in key "
                         "order (parts of one page, pages of one section: hard negatives); 0 = the whole source")
+    p.add_argument("--mined-neighbours", type=int, default=0,
+                   help="K > 0: a step's documents are one document and --batch-size − 1 of its K nearest of the "
+                        "same source by the teacher's embedding of their first --mine-tokens tokens (mined once at "
+                        "the start); 0 (default) draws them as --neighbourhood says")
+    p.add_argument("--mine-tokens", type=int, default=256, help="tokens of each document's opening that are mined")
     p.add_argument("--w-short", type=float, default=1.0, help="weight of the short-pair InfoNCE")
     p.add_argument("--w-distill", type=float, default=1.0, help="weight of 1 − cos(student, teacher) on short texts")
     p.add_argument("--save-fp16", action="store_true", help="store model/ in fp16 (the bundled format)")
@@ -156,14 +161,42 @@ def draw_spans(rng: random.Random, corpus: DocCorpus, doc: int, lo: int, hi: int
     return spans
 
 
-def step_documents(rng: random.Random, corpus: DocCorpus, source: str, k: int, neighbourhood: int) -> list[int]:
+def step_documents(rng: random.Random, corpus: DocCorpus, source: str, k: int, neighbourhood: int,
+                   mined: dict[int, list[int]] | None = None) -> list[int]:
     """``k`` documents of ``source``: drawn from all of them, or with ``neighbourhood`` > 0 from that many
-    consecutive ones in key order (a window placed at random), so that they are near each other."""
+    consecutive ones in key order (a window placed at random), so that they are near each other; with
+    ``mined`` (document → its nearest documents, :func:`mine_neighbours`), one document drawn from all and
+    the other k − 1 from its nearest."""
     pool = corpus.by_source[source]
+    if mined is not None:
+        anchor = rng.choice(pool)
+        return [anchor, *rng.sample(mined[anchor], k - 1)]
     if neighbourhood and len(pool) > neighbourhood:
         start = rng.randrange(len(pool) - neighbourhood + 1)
         pool = corpus.in_key_order[source][start:start + neighbourhood]
     return rng.sample(pool, k)
+
+
+def mine_neighbours(corpus: DocCorpus, embed, *, k: int, tokens: int, pad_id: int,
+                    device: torch.device) -> dict[int, list[int]]:
+    """Each document's ``k`` nearest documents of its own source, by the cosine of ``embed`` (token ids,
+    mask → vectors; the teacher) over each document's first ``tokens`` tokens: its title and opening,
+    which say what it is about. These are the topics one-pass retrieval confuses, wherever they sit in
+    the source's key order (`arrays` and `functions-array`)."""
+    from .retrieval import batched  # retrieval imports this module
+
+    heads = [corpus.tokenizer.wrap([t for ids in doc for t in ids][:tokens - 2]) for doc in corpus.ids]
+    vecs = F.normalize(batched(embed, heads, pad_id=pad_id, token_budget=8192, device=device,
+                               desc="mining neighbours").float(), dim=-1)
+    out: dict[int, list[int]] = {}
+    for docs in corpus.by_source.values():
+        idx = torch.tensor(docs)
+        sim = vecs[idx] @ vecs[idx].T
+        sim.fill_diagonal_(-math.inf)
+        top = sim.topk(min(k, len(docs) - 1), dim=1).indices
+        for row, d in enumerate(docs):
+            out[d] = [docs[j] for j in top[row].tolist()]
+    return out
 
 
 def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,6 +289,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--batch-size must be >= 2 (in-batch negatives), --queue >= 0, --temperature > 0")
     if args.neighbourhood and args.neighbourhood < args.batch_size:
         raise ValueError(f"--neighbourhood must be 0 or >= --batch-size ({args.batch_size}), got {args.neighbourhood}")
+    if args.mined_neighbours and (args.neighbourhood or args.mined_neighbours < args.batch_size - 1):
+        raise ValueError(f"--mined-neighbours must be 0 or >= --batch-size - 1 ({args.batch_size - 1}), and not "
+                         f"with --neighbourhood; got {args.mined_neighbours}")
     if not args.temperature_lr_scale > 0:
         raise ValueError(f"--temperature-lr-scale must be > 0, got {args.temperature_lr_scale}")
     stages = parse_curriculum(args.curriculum)
@@ -274,6 +310,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--data: no source has --batch-size ({args.batch_size}) documents")
     if len(corpus.pairs) < args.short_pairs:
         raise ValueError(f"--data: {len(corpus.pairs)} short pairs, fewer than --short-pairs {args.short_pairs}")
+    mined = (mine_neighbours(corpus, teacher.embed, k=args.mined_neighbours,
+                             tokens=min(args.mine_tokens, teacher.max_positions), pad_id=tok.pad_id,
+                             device=session.device) if args.mined_neighbours else None)
     prepare_model(args, student.encoder, student.config.num_hidden_layers)
     module = LongDocLoss(student, temperature=args.temperature, queue=args.queue,
                          weights=(args.w_short, args.w_distill))
@@ -285,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         length = crop_length(stages, trainer.step, trainer.total_steps) - 2
         source = rng.choices(sources, weights=[weights[s] for s in sources])[0]
         docs, spans, span_doc, keys = [], [], [], []
-        for d in step_documents(rng, corpus, source, args.batch_size, args.neighbourhood):
+        for d in step_documents(rng, corpus, source, args.batch_size, args.neighbourhood, mined):
             total = sum(len(ids) for ids in corpus.ids[d])
             lo = rng.randrange(total - length + 1) if total > length else 0
             flat = [t for ids in corpus.ids[d] for t in ids][lo:lo + length]

@@ -11,7 +11,8 @@ import torch
 
 from yoso_serve.model.train import longdocs, retrieval
 from yoso_serve.model.train.cli import main
-from yoso_serve.model.train.longdoc import DocCorpus, crop_length, parse_curriculum, step_documents
+from yoso_serve.model.train.longdoc import (DocCorpus, crop_length, mine_neighbours, parse_curriculum,
+                                            step_documents)
 from yoso_serve.model.train.runtime import read_events
 
 TOPICS = [("alpha", "beta", "gamma"), ("python", "module", "function"), ("file", "path", "error"),
@@ -161,6 +162,41 @@ def test_a_neighbourhood_draws_documents_that_are_near_in_key_order(tiny_yoso):
     # a neighbourhood as large as the source is the whole source, drawn as without one
     a, b = random.Random(1), random.Random(1)
     assert step_documents(a, corpus, "even", 3, 20) == step_documents(b, corpus, "even", 3, 0)
+
+
+def test_mined_neighbours_are_the_nearest_openings_of_the_same_source(tiny_yoso):
+    from yoso_serve.model import load_pretrained
+
+    rows = topic_docs(36)
+    corpus = DocCorpus(rows, load_pretrained(tiny_yoso).tokenizer, 32)
+    topic_of = {i: i % len(TOPICS) for i in range(len(rows))}  # topic_docs cycles through TOPICS
+    tok = corpus.tokenizer
+    opening = {tuple(tok.wrap([t for ids in corpus.ids[d] for t in ids][:62])): topic_of[d] for d in topic_of}
+
+    def embed(ids, mask):  # a stand-in teacher that knows each opening's topic
+        rows = [opening[tuple(row[m.bool()].tolist())] for row, m in zip(ids, mask)]
+        return torch.nn.functional.one_hot(torch.tensor(rows), len(TOPICS)).float() + 1e-3
+
+    mined = mine_neighbours(corpus, embed, k=2, tokens=64, pad_id=tok.pad_id, device=torch.device("cpu"))
+    assert sorted(mined) == list(range(len(rows)))
+    for d, near in mined.items():
+        source = rows[d]["source"]
+        assert len(near) == 2 and d not in near and all(rows[n]["source"] == source for n in near)
+        assert all(topic_of[n] == topic_of[d] for n in near)  # each has 5 of its topic in its source
+    rng = random.Random(0)
+    for _ in range(20):
+        drawn = step_documents(rng, corpus, "even", 3, 0, mined)
+        assert set(drawn[1:]) == set(mined[drawn[0]])
+
+
+def test_longdoc_trains_on_mined_neighbours(tiny_bert, tiny_yoso, docs_file, tmp_path, capsys):
+    out = tmp_path / "mined"
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "2", "--mined-neighbours", "3",
+                             "--mine-tokens", "32")) == 0
+    assert len(read_events(out, "train")) == 2
+    assert "mining neighbours" in capsys.readouterr().err
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "bad", "--mined-neighbours", "2")) == 2
+    assert "--mined-neighbours must be 0 or >= --batch-size - 1 (3)" in capsys.readouterr().err
 
 
 def test_the_temperature_learns_at_its_own_rate(tiny_bert, tiny_yoso, docs_file, tmp_path):
