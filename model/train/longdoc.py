@@ -292,6 +292,8 @@ def run(args: argparse.Namespace) -> int:
     if args.mined_neighbours and (args.neighbourhood or args.mined_neighbours < args.batch_size - 1):
         raise ValueError(f"--mined-neighbours must be 0 or >= --batch-size - 1 ({args.batch_size - 1}), and not "
                          f"with --neighbourhood; got {args.mined_neighbours}")
+    if args.mine_tokens < 8:
+        raise ValueError(f"--mine-tokens must be >= 8, got {args.mine_tokens}")
     if not args.temperature_lr_scale > 0:
         raise ValueError(f"--temperature-lr-scale must be > 0, got {args.temperature_lr_scale}")
     stages = parse_curriculum(args.curriculum)

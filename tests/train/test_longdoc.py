@@ -197,6 +197,9 @@ def test_longdoc_trains_on_mined_neighbours(tiny_bert, tiny_yoso, docs_file, tmp
     assert "mining neighbours" in capsys.readouterr().err
     assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "bad", "--mined-neighbours", "2")) == 2
     assert "--mined-neighbours must be 0 or >= --batch-size - 1 (3)" in capsys.readouterr().err
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "bad2", "--mined-neighbours", "3",
+                             "--mine-tokens", "2")) == 2
+    assert "--mine-tokens must be >= 8, got 2" in capsys.readouterr().err
 
 
 def test_the_temperature_learns_at_its_own_rate(tiny_bert, tiny_yoso, docs_file, tmp_path):
