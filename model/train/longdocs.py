@@ -142,6 +142,17 @@ SOURCES: dict[str, Source] = {s.name: s for s in (
     Source("git", DOC_ROOT / "git-doc", "git-doc", _not_git_man),
     Source("sqlite", DOC_ROOT / "sqlite3", "sqlite3-doc"),
     Source("postgresql", DOC_ROOT / "postgresql-doc-15" / "html", "postgresql-doc-15", _not_pg_man),
+    # the wider corpus of stage six (WIDE_SOURCES)
+    Source("apache", DOC_ROOT / "apache2-doc" / "manual" / "en", "apache2-doc",
+           lambda rel: not rel.startswith("programs/")),  # programs/: the httpd tools' manual pages
+    Source("django", DOC_ROOT / "python-django-doc" / "html", "python-django-doc",
+           lambda rel: not rel.startswith(("releases/", "ref/django-admin"))),  # django-admin: its manual page
+    Source("node", DOC_ROOT / "nodejs" / "api", "nodejs-doc",
+           lambda rel: rel not in ("all.html", "cli.html")),  # all: every page again; cli: what node(1) says
+    Source("r", DOC_ROOT / "r-doc-html" / "manual", "r-doc-html"),
+    Source("octave", DOC_ROOT / "octave" / "octave.html", "octave-doc"),
+    Source("sphinx", DOC_ROOT / "sphinx-doc" / "html", "sphinx-doc", lambda rel: not rel.startswith("man/")),
+    Source("flask", DOC_ROOT / "python-flask-doc" / "html", "python-flask-doc"),
 )}
 
 
@@ -203,6 +214,7 @@ def read_source(source: Source, tokenizer, *, max_tokens: int, min_tokens: int,
 
 
 TRAIN_SOURCES = ("python", "linux", "rust", "go", "debian-reference", "debian-handbook", "git", "sqlite")
+WIDE_SOURCES = (*TRAIN_SOURCES, "apache", "django", "node", "r", "octave", "sphinx", "flask")
 TRANSFER_SOURCES = ("postgresql",)  # never trained on: deep retrieval on it measures transfer
 
 

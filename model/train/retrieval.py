@@ -82,6 +82,17 @@ def scores(queries: torch.Tensor, corpus: torch.Tensor) -> dict[str, float]:
     return {"recall_at_1": (rank == 0).float().mean().item(), "mrr_at_10": rr.mean().item()}
 
 
+def best_part_scores(queries: torch.Tensor, parts: torch.Tensor, owner: torch.Tensor, n_docs: int) -> dict[str, float]:
+    """Multi-vector retrieval: a document's score is the best cosine of its parts (rows of ``parts``,
+    document ``owner[i]``) with the query; query i's answer is document i. recall@1 and MRR@10."""
+    sim = F.normalize(queries, dim=-1) @ F.normalize(parts, dim=-1).T  # (Q, parts)
+    best = torch.full((len(queries), n_docs), -2.0).scatter_reduce(
+        1, owner.expand(len(queries), -1), sim, reduce="amax")
+    rank = (best > best.diagonal()[:, None]).sum(1)
+    rr = torch.where(rank < 10, 1.0 / (rank + 1).float(), torch.zeros_like(rank, dtype=torch.float))
+    return {"recall_at_1": (rank == 0).float().mean().item(), "mrr_at_10": rr.mean().item()}
+
+
 @torch.no_grad()
 def batched(embed_ids: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], seqs: list[list[int]], *,
             pad_id: int, token_budget: int, device: torch.device, desc: str) -> torch.Tensor:
@@ -118,15 +129,40 @@ class Embedders:
     def student_one_pass(self, texts: list[str]) -> torch.Tensor:
         """One pass per text at ``hashes``: a count, or "auto" resolved per text by its own length as the
         server's default does (exact below the crossover, the model's count above)."""
+        return self.student_parts(texts, 0)[0]
+
+    def student_parts(self, texts: list[str], segment: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pooled (n, D), parts (P, D), owner (P,)): each text's embedding as :meth:`student_one_pass`
+        and, from the same pass, the mean token state of each consecutive ``segment``-token piece of it
+        (none when ``segment`` is 0): the one-pass model's multi-vector form."""
         seqs = self.tok.encode(texts, max_length=self.student.config.max_length)
         counts = [resolve_hashes(self.student.config, self.hashes, source="request", exact_below=AUTO_EXACT_BELOW,
                                  n_tokens=len(s)) for s in seqs]
-        out = torch.empty(len(seqs), self.student.config.hidden_size)
+        k = -(-max(len(s) for s in seqs) // segment) if segment else 0
+        out = torch.empty(len(seqs), 1 + k, self.student.config.hidden_size)
         for count in sorted(set(counts)):
             rows = [i for i, c in enumerate(counts) if c == count]
-            out[rows] = self._run(lambda i, m: self.student.embed(i, m, hashes=count), [seqs[i] for i in rows],
+            out[rows] = self._run(lambda i, m: self._pool(i, m, count, segment, k), [seqs[i] for i in rows],
                                   f"student, hashes={count}")
-        return out
+        n_parts = [-(-len(s) // segment) if segment else 0 for s in seqs]
+        owner = torch.tensor([d for d, n in enumerate(n_parts) for _ in range(n)], dtype=torch.long)
+        parts = torch.cat([out[d, 1:1 + n] for d, n in enumerate(n_parts)]) if k else out.new_zeros(0, out.shape[2])
+        return out[:, 0], parts, owner
+
+    def _pool(self, ids: torch.Tensor, mask: torch.Tensor, count: int, segment: int, k: int) -> torch.Tensor:
+        """(B, 1 + k, D): row 0 the model's own pooled embedding, rows 1.. the segment means (zero past the end)."""
+        if not segment:
+            return self.student.embed(ids, mask, hashes=count)[:, None]
+        if self.student.config.pooling != "mean":
+            raise ValueError("segments of the one-pass student need mean pooling")
+        hidden = self.student.last_hidden(ids, mask, hashes=count)
+        w = mask.to(hidden.dtype)[:, :, None]
+        pooled = (hidden * w).sum(1) / w.sum(1).clamp_min(1.0)
+        b, n, d = hidden.shape
+        pad = k * segment - n
+        hs = F.pad(hidden * w, (0, 0, 0, pad)).view(b, k, segment, d).sum(2)
+        ws = F.pad(w, (0, 0, 0, pad)).view(b, k, segment, 1).sum(2)
+        return torch.cat([pooled[:, None], hs / ws.clamp_min(1.0)], dim=1)
 
     def teacher_truncated(self, texts: list[str]) -> torch.Tensor:
         seqs = self.tok.encode(texts, max_length=self.teacher.max_positions)
@@ -134,6 +170,11 @@ class Embedders:
 
     def teacher_windowed(self, texts: list[str]) -> torch.Tensor:
         """Mean of the unit embeddings of consecutive ``window``-token windows (specials included)."""
+        return self.teacher_windows(texts)[0]
+
+    def teacher_windows(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(windowed (n, D), windows (P, D), owner (P,)): :meth:`teacher_windowed` and the unit window
+        embeddings it averages, each window also a vector of its own (chunks indexed one by one)."""
         size = self.window - 2
         owner, seqs = [], []
         for d, ids in enumerate(self.tok.encode(texts, add_special_tokens=False)):
@@ -142,23 +183,46 @@ class Embedders:
                 seqs.append(self.tok.wrap(ids[s:s + size]))
         vecs = F.normalize(self._run(self.teacher.embed, seqs, "teacher windows"), dim=-1)
         out = torch.zeros(len(texts), vecs.shape[1])
-        out.index_add_(0, torch.tensor(owner), vecs)
-        return out
+        owner_t = torch.tensor(owner, dtype=torch.long)
+        out.index_add_(0, owner_t, vecs)
+        return out, vecs, owner_t
 
 
-def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str]) -> list[dict]:
-    """One row per method: recall@1, MRR@10, documents per second (document embedding time only)."""
-    rows = []
+def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str], *, segment: int = 0) -> list[dict]:
+    """One row per method: recall@1, MRR@10, documents per second (document embedding time only).
+
+    The three single-vector rows come first (one vector per document: what the task is about). With
+    ``segment`` > 0, two multi-vector rows follow, from the same passes: the teacher's windows indexed
+    one by one and the student's ``segment``-token pieces of its one pass, a document scoring its best
+    part (:func:`best_part_scores`)."""
+    rows, parts = [], {}
     s_queries = emb.student_one_pass(queries)
     t_queries = emb.teacher_truncated(queries)
-    methods = [("student, one pass", emb.student_one_pass, s_queries),
-               (f"teacher, {emb.window}-token windows averaged", emb.teacher_windowed, t_queries),
+
+    def student(texts: list[str]) -> torch.Tensor:
+        pooled, *parts["student"] = emb.student_parts(texts, segment)
+        return pooled
+
+    def windowed(texts: list[str]) -> torch.Tensor:
+        pooled, *parts["teacher"] = emb.teacher_windows(texts)
+        return pooled
+
+    methods = [("student, one pass", student, s_queries),
+               (f"teacher, {emb.window}-token windows averaged", windowed, t_queries),
                (f"teacher, truncated at {emb.teacher.max_positions}", emb.teacher_truncated, t_queries)]
+    speed = {}
     for name, fn, q in methods:
         t0 = time.perf_counter()
         d = fn(docs)
-        secs = time.perf_counter() - t0
-        rows.append({"method": name, "docs": len(docs), **scores(q, d), "docs_per_s": len(docs) / secs})
+        speed[name] = len(docs) / (time.perf_counter() - t0)
+        rows.append({"method": name, "docs": len(docs), **scores(q, d), "docs_per_s": speed[name]})
+    if segment:
+        for name, who, base, q in ((f"multi-vector: teacher, each {emb.window}-token window, best", "teacher",
+                                    methods[1][0], t_queries),
+                                   (f"multi-vector: student, one pass, each {segment}-token segment, best", "student",
+                                    methods[0][0], s_queries)):
+            rows.append({"method": name, "docs": len(docs), **best_part_scores(q, *parts[who], len(docs)),
+                         "docs_per_s": speed[base]})
     return rows
 
 

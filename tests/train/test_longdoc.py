@@ -79,6 +79,18 @@ def test_manual_pages_are_never_sources(tmp_path):
     assert not longdocs.SOURCES["postgresql"].keep("sql-select.html")
     assert not longdocs.SOURCES["postgresql"].keep("app-psql.html")
     assert longdocs.SOURCES["postgresql"].keep("tutorial-join.html")
+    # the wider corpus: pages that render a manual page (or repeat every page) are dropped
+    dropped = {"apache": "programs/htpasswd.html", "django": "ref/django-admin.html", "sphinx": "man/sphinx-build.html",
+               "node": "cli.html"}
+    for name, rel in dropped.items():
+        assert not longdocs.SOURCES[name].keep(rel), name
+    assert not longdocs.SOURCES["node"].keep("all.html")
+    kept = {"apache": "mod/mod_rewrite.html", "django": "topics/db/queries.html", "sphinx": "usage/quickstart.html",
+            "node": "fs.html", "r": "R-intro.html", "octave": "Basic-Vectorization.html", "flask": "tutorial/views.html"}
+    for name, rel in kept.items():
+        assert longdocs.SOURCES[name].keep(rel), name
+    assert set(longdocs.WIDE_SOURCES) >= set(longdocs.TRAIN_SOURCES)
+    assert not set(longdocs.WIDE_SOURCES) & set(longdocs.TRANSFER_SOURCES)
     man = tmp_path / "man"
     (man / "man1").mkdir(parents=True)
     (man / "man1" / "ls.1.gz").write_bytes(b"")
@@ -105,6 +117,39 @@ def test_scores_match_hand_computed_ranks():
     got = retrieval.scores(q, d)
     assert got["recall_at_1"] == pytest.approx(1 / 3)
     assert got["mrr_at_10"] == pytest.approx((1 + 1 / 2 + 1 / 3) / 3)
+
+
+def test_best_part_scores_rank_a_document_by_its_best_part():
+    # doc 0 = parts 0, 1; doc 1 = part 2; doc 2 = parts 3, 4
+    parts = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.7, 0.7], [-1.0, 0.0], [0.6, -0.8]])
+    owner = torch.tensor([0, 0, 1, 2, 2])
+    q = torch.tensor([[0.1, 1.0],   # best part is doc 0's second: rank 1
+                      [1.0, 0.9],   # doc 1 (0.7, 0.7) is nearest: rank 1
+                      [1.0, 0.0]])  # doc 2's best is 0.6, below doc 0's 1.0 and doc 1's 0.7: rank 3
+    got = retrieval.best_part_scores(q, parts, owner, 3)
+    assert got["recall_at_1"] == pytest.approx(2 / 3)
+    assert got["mrr_at_10"] == pytest.approx((1 + 1 + 1 / 3) / 3)
+    # one part per document is the single-vector score
+    single = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]])
+    assert retrieval.best_part_scores(q, single, torch.arange(3), 3) == retrieval.scores(q, single)
+
+
+def test_student_parts_are_the_segment_means_of_one_pass(tiny_yoso):
+    from yoso_serve.model import load_pretrained
+
+    model = load_pretrained(tiny_yoso, device=torch.device("cpu")).eval()
+    emb = retrieval.Embedders(model, None, hashes=0, window=16, device=torch.device("cpu"), token_budget=64)
+    texts = [" ".join(["alpha beta gamma"] * 12), "delta epsilon", " ".join(["zeta eta"] * 7)]
+    pooled, parts, owner = emb.student_parts(texts, 8)
+    seqs = model.tokenizer.encode(texts, max_length=model.config.max_length)
+    assert owner.tolist() == [d for d, s in enumerate(seqs) for _ in range(-(-len(s) // 8))]
+    with torch.no_grad():
+        for d, s in enumerate(seqs):
+            hidden = model.last_hidden(torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long), hashes=0)[0]
+            want = torch.stack([hidden[i:i + 8].mean(0) for i in range(0, len(s), 8)])
+            torch.testing.assert_close(parts[owner == d], want, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(pooled[d], hidden.mean(0), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(pooled, emb.student_one_pass(texts), atol=1e-5, rtol=1e-4)
 
 
 def test_deep_pairs_take_a_late_paragraph_and_are_seeded():
@@ -233,8 +278,19 @@ def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, w
                  "--window", "16", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     deep = {r["method"]: r for r in results["deep_retrieval"]}
-    assert set(deep) == {"student, one pass", "teacher, 16-token windows averaged", "teacher, truncated at 64"}
+    assert list(deep) == ["student, one pass", "teacher, 16-token windows averaged", "teacher, truncated at 64",
+                          "multi-vector: teacher, each 16-token window, best",
+                          "multi-vector: student, one pass, each 128-token segment, best"]
     for row in deep.values():
         assert row["docs"] == 6 and 0 <= row["recall_at_1"] <= row["mrr_at_10"] <= 1 and row["docs_per_s"] > 0
     assert [r["method"] for r in results["short_retrieval"]] == ["student", "teacher"]
     assert "### deep_retrieval" in capsys.readouterr().out
+    for flag, value, message in (("--segment", "-1", "--segment must be >= 0"), ("--window", "2", "--window must be in 3..64"),
+                                 ("--retrieval-tokens", "x", "--retrieval-tokens must be LO,HI")):
+        assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
+                     "--window", "16", flag, value, "--out", str(tmp_path / "bad")]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
+                 "--window", "16", "--segment", "0", "--out", str(tmp_path / "single")]) == 0
+    single = json.loads((tmp_path / "single" / "results.json").read_text())["deep_retrieval"]
+    assert [r["method"] for r in single] == list(deep)[:3]
