@@ -7,7 +7,7 @@ pipeline that starts from a bundled model without its earlier run directories (a
 reports those stages from the starting model's record. The student is copied
 into the bundle only when, on the documentation source kept out of training, its one-pass
 deep retrieval beats every earlier stage's model that was measured there (recall@1: the refined
-model, and stage three's); otherwise the card lands in the work directory only. The targets (deep recall@1 at least the windowed teacher's + 0.05,
+model, and stages three to five); otherwise the card lands in the work directory only. The targets (deep recall@1 at least the windowed teacher's + 0.05,
 short recall@1 at least 0.97 × the teacher's) are reported, met or not.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from yoso_serve.model import load_pretrained
 
 from .default_model import (LONGDOC_CURRICULUM, distill_argv, final_model, longdoc2_argv, longdoc3_argv,
-                            longdoc_argv, refine_argv)
+                            longdoc4_argv, longdoc_argv, refine_argv)
 from .runtime import read_events
 
 DEEP_MARGIN = 0.05  # deep recall@1 over the windowed teacher's
@@ -88,10 +88,10 @@ def _long_table(student: dict | None, converted: dict | None) -> list[str]:
     return lines
 
 
-STAGE_NAMES = ("distill", "refine", "longdoc", "longdoc2", "longdoc3")
+STAGE_NAMES = ("distill", "refine", "longdoc", "longdoc2", "longdoc3", "longdoc4")
 # Deep retrieval of the earlier stages' models on the source kept out: run directory → row label.
 EARLIER = {"retrieval-refined": "refined model (stage 2), one pass", "retrieval-longdoc": "stage 3's model, one pass",
-           "retrieval-longdoc2": "stage 4's model, one pass"}
+           "retrieval-longdoc2": "stage 4's model, one pass", "retrieval-longdoc3": "stage 5's model, one pass"}
 RECORD = "training.json"
 
 
@@ -167,6 +167,7 @@ def card(work: Path, name: str) -> tuple[str, bool]:
     l_config, l_steps, l_minutes, l_sessions = _stage(work / "longdoc")
     m_config, m_steps, m_minutes, m_sessions = _stage(work / "longdoc2")
     n_config, n_steps, n_minutes, n_sessions = _stage(work / "longdoc3")
+    o_config, o_steps, o_minutes, o_sessions = _stage(work / "longdoc4")
     student, converted = _results(work / "eval-student"), _results(work / "eval-converted")
     transfer, heldout = _results(work / "retrieval-transfer"), _results(work / "retrieval-heldout")
     before = {name: _results(work / name) for name in EARLIER}
@@ -175,6 +176,8 @@ def card(work: Path, name: str) -> tuple[str, bool]:
     improves = now is not None and bool(then) and now > max(then)
     counts = json.loads((work / "data" / "counts.json").read_text())
     docs = json.loads((work / "longdoc-data" / "counts.json").read_text())
+    wide = json.loads((work / "longdoc-data-wide" / "counts.json").read_text())
+    added = {k: v for k, v in wide["train_by_source"].items() if k not in docs["train_by_source"]}
     met = targets(transfer)
     topics = {run.name: (json.loads((run / "config.json").read_text()), _results(run))
               for run in sorted(work.glob("topics-*")) if (run / "results.json").is_file()}
@@ -197,22 +200,27 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         f"stdlib html.parser; train / held-out split by page (SHA-1 of the path, 10 %): "
         f"{counts['pages']['train']} train pages, {counts['pages']['heldout']} held-out pages; "
         f"{counts['train_passages']} training passages (≤ 160 words), {counts['heldout_passages']} held-out passages.", "",
-        f"Stages 3–5: long documents from Debian documentation packages (pages cut at paragraph edges into parts of at "
+        f"Stages 3–6: long documents from Debian documentation packages (pages cut at paragraph edges into parts of at "
         f"most 4000 tokens): {docs['train_docs']} training documents ({docs['train_tokens'] / 1e6:.1f}M tokens; "
         f"{by_source}); {docs['heldout_docs']} held-out documents (5 % of the pages of those sources, split by page); "
         f"PostgreSQL 15's documentation (postgresql-doc-15) kept out of training entirely: {docs['transfer_docs']} "
         "documents, on which transfer is measured. No manual page is read: nothing under /usr/share/man, and the "
         "doc packages' renderings of manual pages (git's `git*` pages, PostgreSQL's `sql-*`/`app-*` reference "
         "pages, any page named like an installed manual page) are skipped.", "",
+        f"Stage 6: the same plus seven more documentation packages among the training sources (apache2-doc without "
+        f"its tools' manual pages, python-django-doc, nodejs-doc, r-doc-html, octave-doc, sphinx-doc, "
+        f"python-flask-doc): {wide['train_docs']} training documents ({wide['train_tokens'] / 1e6:.1f}M tokens; the "
+        f"added sources: {', '.join(f'{k} {v}' for k, v in added.items())}); the PostgreSQL documents are the same.", "",
         "## Training", "",
         "```", f"python -m yoso_serve.model.train.default_model all --work {work}"
         + (f" --minutes {config['max_minutes']:g}" if config["max_minutes"] else ""),
-        "# its five training stages:",
+        "# its six training stages:",
         "yoso-train " + " ".join(distill_argv(work, config["teacher"], config["max_minutes"], False)),
         "yoso-train " + " ".join(refine_argv(work, r_config["teacher"], r_config["max_minutes"], False)),
         "yoso-train " + " ".join(longdoc_argv(work, l_config["teacher"], l_config["max_minutes"], False)),
         "yoso-train " + " ".join(longdoc2_argv(work, m_config["teacher"], m_config["max_minutes"], False)),
-        "yoso-train " + " ".join(longdoc3_argv(work, n_config["teacher"], n_config["max_minutes"], False)), "```", "",
+        "yoso-train " + " ".join(longdoc3_argv(work, n_config["teacher"], n_config["max_minutes"], False)),
+        "yoso-train " + " ".join(longdoc4_argv(work, o_config["teacher"], o_config["max_minutes"], False)), "```", "",
         "`make default-model` runs the same pipeline; a stage stopped by its time limit continues where it "
         "stopped when the command is run again (`--resume`), and the pipeline goes on only after it finished.", "",
         "Stages 1–2: losses 1 − cos and MSE of the pooled embeddings, MSE of the last hidden states; hash counts "
@@ -246,7 +254,10 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         f"{n_config.get('neighbourhood')} consecutive documents of one source in key order (pages of one section), "
         f"the temperature (starting at {n_config['temperature']:g}) at {n_config.get('temperature_lr_scale', 1.0):g}× "
         f"the lr of the rest, lr {n_config['lr']:g}, otherwise as stage 4. {n_minutes:.1f} minutes over "
-        f"{n_sessions} session(s).", "",
+        f"{n_sessions} session(s).",
+        f"6. longdoc4 (seed {o_config['seed']}): stage 5 continued for {o_steps} optimizer steps on the wider corpus "
+        f"(Data above) with the distillation weight at {o_config['w_distill']:g}, otherwise as stage 5. "
+        f"{o_minutes:.1f} minutes over {o_sessions} session(s).", "",
         f"Machine: {machine()}.", "",
         "## Deep retrieval: a paragraph from the second half of a document → that document", "",
         "Documents of 1.2k–4k tokens; the query is one paragraph (≥ 20 words) from each document's second half; "

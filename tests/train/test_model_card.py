@@ -33,9 +33,9 @@ def _deep(student: float, refined: float | None = None) -> list[dict]:
 
 
 def _work(tmp_path: Path, model: Path, student_recall: float, refined_recall: float, short: float = 0.9,
-          stage3_recall: float = 0.5, stage4_recall: float = 0.55) -> Path:
+          stage3_recall: float = 0.5, stage4_recall: float = 0.55, stage5_recall: float = 0.58) -> Path:
     work = tmp_path / "work"
-    shutil.copytree(model, work / "longdoc3" / "model")  # the final model is stage five's
+    shutil.copytree(model, work / "longdoc4" / "model")  # the final model is stage six's
     common = {"train_hashes": "0,32", "batch_size": 16, "grad_accum": 1, "max_minutes": 30.0, "teacher": "/teacher"}
     (work / "distill").mkdir()
     (work / "refine").mkdir()
@@ -68,15 +68,26 @@ def _work(tmp_path: Path, model: Path, student_recall: float, refined_recall: fl
          "neighbourhood": 12, "temperature_lr_scale": 250.0}))
     events = [{"event": "start", "time": 9000.0, "step": 0}, {"event": "stop", "time": 9420.0, "step": 20}]
     (work / "longdoc3" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (work / "longdoc4").mkdir(exist_ok=True)
+    (work / "longdoc4" / "config.json").write_text(json.dumps(
+        {**common, "seed": 7, "lr": 2e-5, "batch_size": 4, "spans_per_doc": 4, "queue": 1024, "short_pairs": 32,
+         "curriculum": "4096:1", "doc_hashes": "32", "query_hashes": "0", "temperature": 0.03, "w_distill": 0.5,
+         "neighbourhood": 12, "temperature_lr_scale": 250.0}))
+    events = [{"event": "start", "time": 9500.0, "step": 0}, {"event": "stop", "time": 9860.0, "step": 10}]
+    (work / "longdoc4" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     (work / "longdoc-data").mkdir()
     (work / "longdoc-data" / "counts.json").write_text(json.dumps(
         {"train_docs": 50, "train_tokens": 1.5e6, "train_by_source": {"linux": 30, "python": 20},
          "heldout_docs": 5, "transfer_docs": 8}))
+    (work / "longdoc-data-wide").mkdir()
+    (work / "longdoc-data-wide" / "counts.json").write_text(json.dumps(
+        {"train_docs": 65, "train_tokens": 1.9e6, "train_by_source": {"apache": 9, "linux": 30, "node": 6, "python": 20},
+         "heldout_docs": 6, "transfer_docs": 8}))
     shorts = [{"method": "student", "pairs": 40, "recall_at_1": short, "mrr_at_10": 0.95},
               {"method": "teacher", "pairs": 40, "recall_at_1": 0.9, "mrr_at_10": 0.95}]
     for name, recall in (("retrieval-transfer", student_recall), ("retrieval-heldout", student_recall),
                          ("retrieval-refined", refined_recall), ("retrieval-longdoc", stage3_recall),
-                         ("retrieval-longdoc2", stage4_recall)):
+                         ("retrieval-longdoc2", stage4_recall), ("retrieval-longdoc3", stage5_recall)):
         (work / name).mkdir()
         (work / name / "results.json").write_text(json.dumps({"deep_retrieval": _deep(recall),
                                                               "short_retrieval": shorts}))
@@ -122,10 +133,16 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert "--conv-window 33 --conv-lr-scale 40" in card and "yoso-train longdoc --model" in card
     assert "| 32 | 0.9180 | 0.8180 |" in card  # agreement is still reported
     assert "int8 hashing" not in card  # the tiny model hashes in fp32
+    assert "| stage 5's model, one pass | 300 | 0.580 | 0.630 | 2.00 |" in card
+    assert "6. longdoc4 (seed 7): stage 5 continued for 10 optimizer steps on the wider corpus (Data above) with " \
+           "the distillation weight at 0.5, otherwise as stage 5. 6.0 minutes over 1 session(s)." in card
+    assert "Stage 6: the same plus seven more documentation packages" in card
+    assert "65 training documents (1.9M tokens; the added sources: apache 9, node 6)" in card
+    assert "--data /" in card and "longdoc-data-wide/train_docs.jsonl" in card and "--w-distill 0.5" in card
 
 
     winning = _work(tmp_path / "win", tiny_yoso, student_recall=0.75, refined_recall=0.62, short=0.85)
-    default_model.apply_served_settings(winning / "longdoc3" / "model")
+    default_model.apply_served_settings(winning / "longdoc4" / "model")
     assert bundle(winning, target)
     card = (target / "MODEL_CARD.md").read_text()
     assert "int8 hashing (`hash_int8`" in card and load_pretrained(target).config.hash_int8
@@ -138,6 +155,8 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
                             stage3_recall=0.72), tmp_path / "bundled-worse" / "yoso-test")
     assert not bundle(_work(tmp_path / "worse4", tiny_yoso, student_recall=0.70, refined_recall=0.62,
                             stage4_recall=0.71), tmp_path / "bundled-worse4" / "yoso-test")
+    assert not bundle(_work(tmp_path / "worse5", tiny_yoso, student_recall=0.70, refined_recall=0.62,
+                            stage5_recall=0.70), tmp_path / "bundled-worse5" / "yoso-test")  # a tie is not a gain
 
 
 def test_a_pipeline_started_from_a_bundle_reports_its_earlier_stages_from_the_bundles_record(tiny_yoso, tmp_path):
@@ -147,7 +166,7 @@ def test_a_pipeline_started_from_a_bundle_reports_its_earlier_stages_from_the_bu
     record = json.loads((target / "training.json").read_text())["stages"]
     assert {k: (v["steps"], v["minutes"], v["sessions"]) for k, v in record.items()} == \
         {"distill": (40, 30.5, 2), "refine": (12, 5.0, 1), "longdoc": (30, 10.0, 1), "longdoc2": (50, 15.0, 1),
-         "longdoc3": (20, 7.0, 1)}
+         "longdoc3": (20, 7.0, 1), "longdoc4": (10, 6.0, 1)}
     # another machine: only the bundle (as the starting model) and a new long-document run
     again = _work(tmp_path / "again", tiny_yoso, student_recall=0.8, refined_recall=0.75)
     for name in ("distill", "refine", "retrieval-heldout"):
@@ -180,7 +199,7 @@ def test_pipeline_waits_for_a_stage_stopped_by_its_time_limit(tmp_path, monkeypa
     (work / "refine").mkdir()
     (work / "refine" / "metrics.jsonl").write_text(json.dumps({**stop, "reason": "done"}) + "\n")
     calls.clear()
-    monkeypatch.setattr(default_model, "prepare_corpus", lambda *a: calls.append("longdoc-data") or {})
+    monkeypatch.setattr(default_model, "prepare_corpus", lambda out, tok, **kw: calls.append(out.name) or {})
     assert default_model.main(["all", "--work", str(work), "--minutes", "1"]) == 0
     assert calls == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc")]
 
@@ -199,15 +218,28 @@ def test_pipeline_waits_for_a_stage_stopped_by_its_time_limit(tmp_path, monkeypa
     (work / "longdoc3").mkdir()
     (work / "longdoc3" / "metrics.jsonl").write_text(json.dumps({**stop, "reason": "done"}) + "\n")
     calls.clear()
+    assert default_model.main(["all", "--work", str(work), "--minutes", "1"]) == 0
+    assert calls[-2:] == ["longdoc-data-wide", str(work / "longdoc4")]  # stage six on the wider corpus
+
+    (work / "longdoc4").mkdir()
+    (work / "longdoc4" / "metrics.jsonl").write_text(json.dumps({**stop, "reason": "done"}) + "\n")
+    calls.clear()
     monkeypatch.setattr("yoso_serve.model.train.model_card.bundle", lambda *a: calls.append("bundle"))
-    (work / "longdoc3" / "model").mkdir()
-    (work / "longdoc3" / "model" / "config.json").write_text(json.dumps({"num_hash": 32, "hash_int8": False}))
+    (work / "longdoc4" / "model").mkdir()
+    (work / "longdoc4" / "model" / "config.json").write_text(json.dumps({"num_hash": 32, "hash_int8": False}))
     assert default_model.main(["all", "--work", str(work)]) == 0
     # the evaluations and the bundle see the served settings
-    assert json.loads((work / "longdoc3" / "model" / "config.json").read_text()) == {"num_hash": 32, "hash_int8": True}
-    assert calls[:6] == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc"),
-                         str(work / "longdoc2"), str(work / "longdoc3")]
-    assert calls[6:13] == [str(work / n) for n in ("eval-converted", "eval-student", "retrieval-transfer",
+    assert json.loads((work / "longdoc4" / "model" / "config.json").read_text()) == {"num_hash": 32, "hash_int8": True}
+    assert calls[:8] == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc"),
+                         str(work / "longdoc2"), str(work / "longdoc3"), "longdoc-data-wide", str(work / "longdoc4")]
+    assert calls[8:16] == [str(work / n) for n in ("eval-converted", "eval-student", "retrieval-transfer",
                                                    "retrieval-heldout", "retrieval-refined", "retrieval-longdoc",
-                                                   "retrieval-longdoc2")]
-    assert calls[-1] == "bundle" and len(calls) == 16  # + topics-teacher, topics-student
+                                                   "retrieval-longdoc2", "retrieval-longdoc3")]
+    assert calls[-1] == "bundle" and len(calls) == 19  # + topics-teacher, topics-student
+
+
+def test_the_wider_corpus_is_its_own_stage_outside_the_pipeline(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(default_model, "prepare_corpus", lambda out, tok, **kw: seen.append((out, kw)) or {})
+    assert default_model.main(["longdoc-data-wide", "--work", str(tmp_path)]) == 0
+    assert seen == [(tmp_path / "longdoc-data-wide", {"train_sources": default_model.WIDE_SOURCES})]
