@@ -32,49 +32,36 @@ def _deep(student: float, refined: float | None = None) -> list[dict]:
     return rows
 
 
+def stage(run: Path, config: dict, start: float, stop: float, steps: int) -> None:
+    """A finished training run directory: its config and one session from ``start`` to ``stop``."""
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.json").write_text(json.dumps(config))
+    events = [{"event": "start", "time": start, "step": 0}, {"event": "stop", "time": stop, "step": steps}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
 def _work(tmp_path: Path, model: Path, student_recall: float, refined_recall: float, short: float = 0.9,
           stage3_recall: float = 0.5, stage4_recall: float = 0.55, stage5_recall: float = 0.58) -> Path:
     work = tmp_path / "work"
     shutil.copytree(model, work / "longdoc4" / "model")  # the final model is stage six's
     common = {"train_hashes": "0,32", "batch_size": 16, "grad_accum": 1, "max_minutes": 30.0, "teacher": "/teacher"}
     (work / "distill").mkdir()
-    (work / "refine").mkdir()
     (work / "distill" / "config.json").write_text(json.dumps({**common, "seed": 0, "lr": 1.5e-4}))
-    (work / "refine" / "config.json").write_text(json.dumps(
-        {**common, "seed": 1, "lr": 5e-5, "conv_window": 33, "conv_lr_scale": 40.0}))
     # stage one in two sessions: 20 min, stopped by a time limit, then 10.5 min after --resume
     events = [{"event": "start", "time": 1000.0, "step": 0}, {"event": "stop", "time": 2200.0, "step": 25},
               {"event": "resume", "time": 5000.0, "step": 25}, {"event": "start", "time": 5000.0, "step": 25},
               {"event": "stop", "time": 5630.0, "step": 40}]
     (work / "distill" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    events = [{"event": "start", "time": 6000.0, "step": 0}, {"event": "stop", "time": 6300.0, "step": 12}]
-    (work / "refine" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    (work / "longdoc").mkdir()
-    (work / "longdoc" / "config.json").write_text(json.dumps(
-        {**common, "seed": 0, "lr": 3e-5, "batch_size": 4, "spans_per_doc": 4, "queue": 128, "short_pairs": 16,
-         "curriculum": "1024:0.35,2048:0.7,4096:1", "doc_hashes": "32", "query_hashes": "0"}))
-    events = [{"event": "start", "time": 7000.0, "step": 0}, {"event": "stop", "time": 7600.0, "step": 30}]
-    (work / "longdoc" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    (work / "longdoc2").mkdir(exist_ok=True)
-    (work / "longdoc2" / "config.json").write_text(json.dumps(
-        {**common, "seed": 1, "lr": 2e-5, "batch_size": 4, "spans_per_doc": 4, "queue": 1024, "short_pairs": 32,
-         "curriculum": "4096:1", "doc_hashes": "32", "query_hashes": "0", "temperature": 0.03, "w_distill": 2.0}))
-    events = [{"event": "start", "time": 8000.0, "step": 0}, {"event": "stop", "time": 8900.0, "step": 50}]
-    (work / "longdoc2" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    (work / "longdoc3").mkdir(exist_ok=True)
-    (work / "longdoc3" / "config.json").write_text(json.dumps(
-        {**common, "seed": 2, "lr": 2e-5, "batch_size": 4, "spans_per_doc": 4, "queue": 1024, "short_pairs": 32,
-         "curriculum": "4096:1", "doc_hashes": "32", "query_hashes": "0", "temperature": 0.03, "w_distill": 2.0,
-         "neighbourhood": 12, "temperature_lr_scale": 250.0}))
-    events = [{"event": "start", "time": 9000.0, "step": 0}, {"event": "stop", "time": 9420.0, "step": 20}]
-    (work / "longdoc3" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    (work / "longdoc4").mkdir(exist_ok=True)
-    (work / "longdoc4" / "config.json").write_text(json.dumps(
-        {**common, "seed": 7, "lr": 2e-5, "batch_size": 4, "spans_per_doc": 4, "queue": 1024, "short_pairs": 32,
-         "curriculum": "4096:1", "doc_hashes": "32", "query_hashes": "0", "temperature": 0.03, "w_distill": 0.5,
-         "neighbourhood": 12, "temperature_lr_scale": 250.0}))
-    events = [{"event": "start", "time": 9500.0, "step": 0}, {"event": "stop", "time": 9860.0, "step": 10}]
-    (work / "longdoc4" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    stage(work / "refine", {**common, "seed": 1, "lr": 5e-5, "conv_window": 33, "conv_lr_scale": 40.0}, 6000.0, 6300.0, 12)
+    stage(work / "longdoc", {**common, "seed": 0, "lr": 3e-5, "batch_size": 4, "spans_per_doc": 4, "queue": 128,
+                             "short_pairs": 16, "curriculum": "1024:0.35,2048:0.7,4096:1", "doc_hashes": "32",
+                             "query_hashes": "0"}, 7000.0, 7600.0, 30)
+    harder = {**common, "lr": 2e-5, "batch_size": 4, "spans_per_doc": 4, "queue": 1024, "short_pairs": 32,
+              "curriculum": "4096:1", "doc_hashes": "32", "query_hashes": "0", "temperature": 0.03, "w_distill": 2.0}
+    stage(work / "longdoc2", {**harder, "seed": 1}, 8000.0, 8900.0, 50)
+    near = {"neighbourhood": 12, "temperature_lr_scale": 250.0}
+    stage(work / "longdoc3", {**harder, **near, "seed": 2}, 9000.0, 9420.0, 20)
+    stage(work / "longdoc4", {**harder, **near, "seed": 7, "w_distill": 0.5}, 9500.0, 9860.0, 10)
     (work / "longdoc-data").mkdir()
     (work / "longdoc-data" / "counts.json").write_text(json.dumps(
         {"train_docs": 50, "train_tokens": 1.5e6, "train_by_source": {"linux": 30, "python": 20},
