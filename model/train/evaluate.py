@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retrieval-data", type=Path, nargs="*", default=[],
                    help="document JSONL {doc, source, blocks, tokens} for deep and short retrieval")
     p.add_argument("--retrieval-docs", type=int, default=300, help="documents in the deep-retrieval corpus")
+    p.add_argument("--query-draws", type=int, default=1,
+                   help="queries per document in deep retrieval, draw d as --seed + d would draw it (pooled)")
     p.add_argument("--retrieval-tokens", default="1200,4000", help="LO,HI token range of those documents")
     p.add_argument("--retrieval-hashes", default="auto",
                    help="student hash count in retrieval: 'auto' (the server's default: exact below the measured "
@@ -164,10 +166,13 @@ def retrieval_results(args: argparse.Namespace, model: EncoderModel, teacher: Be
                          f"{args.retrieval_tokens!r}, {args.retrieval_hashes!r}") from None
     if not 3 <= args.window <= teacher.max_positions:
         raise ValueError(f"--window must be in 3..{teacher.max_positions}, got {args.window}")
+    if args.query_draws < 1:
+        raise ValueError(f"--query-draws must be >= 1, got {args.query_draws}")
     if args.segment < 0:
         raise ValueError(f"--segment must be >= 0 (0 = no multi-vector rows), got {args.segment}")
     rows = read_documents(args.retrieval_data)
-    docs, queries = retrieval.deep_pairs(rows, lo=lo, hi=hi, max_docs=args.retrieval_docs, seed=args.seed)
+    docs, queries = retrieval.deep_pairs(rows, lo=lo, hi=hi, max_docs=args.retrieval_docs, seed=args.seed,
+                                         draws=args.query_draws)
     if len(docs) < 2:
         raise ValueError(f"--retrieval-data: {len(docs)} documents of {lo}..{hi} tokens with a late paragraph; need 2")
     firsts, rests = retrieval.short_pairs(rows, max_pairs=args.short_pairs, seed=args.seed)

@@ -38,10 +38,13 @@ def _rng(seed: int, key: str) -> random.Random:
     return random.Random(seed * 1_000_003 + int.from_bytes(hashlib.sha1(key.encode()).digest()[:6], "big"))
 
 
-def deep_pairs(rows: list[dict], *, lo: int, hi: int, max_docs: int, seed: int) -> tuple[list[str], list[str]]:
+def deep_pairs(rows: list[dict], *, lo: int, hi: int, max_docs: int, seed: int,
+               draws: int = 1) -> tuple[list[str], list[str]]:
     """(documents, queries): documents of ``lo``..``hi`` tokens that have a paragraph of at least
-    QUERY_WORDS words starting in their second half; the query is one such paragraph, drawn per document."""
-    docs, queries = [], []
+    QUERY_WORDS words starting in their second half; the query is one such paragraph, drawn per document.
+    With ``draws`` > 1 each document is queried that many times, draw d as ``seed + d`` draws it (so
+    pooled draws score the mean of the separate seeds): query j belongs to document j % len(documents)."""
+    docs, late_of = [], []
     for row in rows:
         if not lo <= row.get("tokens", 0) <= hi:
             continue
@@ -53,9 +56,10 @@ def deep_pairs(rows: list[dict], *, lo: int, hi: int, max_docs: int, seed: int) 
             pos += n
         if late:
             docs.append("\n".join(row["blocks"]))
-            queries.append(_rng(seed, row["doc"]).choice(late))
+            late_of.append((row["doc"], late))
         if len(docs) == max_docs:
             break
+    queries = [_rng(seed + d, key).choice(late) for d in range(draws) for key, late in late_of]
     return docs, queries
 
 
@@ -74,23 +78,26 @@ def short_pairs(rows: list[dict], *, max_pairs: int, seed: int) -> tuple[list[st
     return firsts, rests
 
 
-def scores(queries: torch.Tensor, corpus: torch.Tensor) -> dict[str, float]:
-    """Query i's answer is corpus row i: recall@1 and MRR@10 by cosine similarity."""
-    sim = F.normalize(queries, dim=-1) @ F.normalize(corpus, dim=-1).T
-    rank = (sim > sim.diagonal()[:, None]).sum(1)  # 0 = first
+def _ranked(sim: torch.Tensor) -> dict[str, float]:
+    """recall@1 and MRR@10 of (queries, documents) similarities where query j's answer is document j % n."""
+    right = sim[torch.arange(len(sim)), torch.arange(len(sim)) % sim.shape[1]]
+    rank = (sim > right[:, None]).sum(1)  # 0 = first
     rr = torch.where(rank < 10, 1.0 / (rank + 1).float(), torch.zeros_like(rank, dtype=torch.float))
     return {"recall_at_1": (rank == 0).float().mean().item(), "mrr_at_10": rr.mean().item()}
+
+
+def scores(queries: torch.Tensor, corpus: torch.Tensor) -> dict[str, float]:
+    """Query j's answer is corpus row j % len(corpus) (row j with one query per row): recall@1 and MRR@10
+    by cosine similarity."""
+    return _ranked(F.normalize(queries, dim=-1) @ F.normalize(corpus, dim=-1).T)
 
 
 def best_part_scores(queries: torch.Tensor, parts: torch.Tensor, owner: torch.Tensor, n_docs: int) -> dict[str, float]:
     """Multi-vector retrieval: a document's score is the best cosine of its parts (rows of ``parts``,
-    document ``owner[i]``) with the query; query i's answer is document i. recall@1 and MRR@10."""
+    document ``owner[i]``) with the query; query j's answer is document j % n_docs. recall@1 and MRR@10."""
     sim = F.normalize(queries, dim=-1) @ F.normalize(parts, dim=-1).T  # (Q, parts)
-    best = torch.full((len(queries), n_docs), -2.0).scatter_reduce(
-        1, owner.expand(len(queries), -1), sim, reduce="amax")
-    rank = (best > best.diagonal()[:, None]).sum(1)
-    rr = torch.where(rank < 10, 1.0 / (rank + 1).float(), torch.zeros_like(rank, dtype=torch.float))
-    return {"recall_at_1": (rank == 0).float().mean().item(), "mrr_at_10": rr.mean().item()}
+    return _ranked(torch.full((len(queries), n_docs), -2.0).scatter_reduce(
+        1, owner.expand(len(queries), -1), sim, reduce="amax"))
 
 
 @torch.no_grad()
@@ -215,14 +222,14 @@ def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str], *, segme
         t0 = time.perf_counter()
         d = fn(docs)
         speed[name] = len(docs) / (time.perf_counter() - t0)
-        rows.append({"method": name, "docs": len(docs), **scores(q, d), "docs_per_s": speed[name]})
+        rows.append({"method": name, "docs": len(docs), "queries": len(q), **scores(q, d), "docs_per_s": speed[name]})
     if segment:
         for name, who, base, q in ((f"multi-vector: teacher, each {emb.window}-token window, best", "teacher",
                                     methods[1][0], t_queries),
                                    (f"multi-vector: student, one pass, each {segment}-token segment, best", "student",
                                     methods[0][0], s_queries)):
-            rows.append({"method": name, "docs": len(docs), **best_part_scores(q, *parts[who], len(docs)),
-                         "docs_per_s": speed[base]})
+            rows.append({"method": name, "docs": len(docs), "queries": len(q),
+                         **best_part_scores(q, *parts[who], len(docs)), "docs_per_s": speed[base]})
     return rows
 
 

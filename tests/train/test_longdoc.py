@@ -119,6 +119,27 @@ def test_scores_match_hand_computed_ranks():
     assert got["mrr_at_10"] == pytest.approx((1 + 1 / 2 + 1 / 3) / 3)
 
 
+def test_pooled_draws_score_the_mean_of_the_separate_draws():
+    long_block = " ".join(["w"] * 25)
+    rows = [{"doc": f"d#{i}", "tokens": 2000, "blocks": ["early " + long_block] + [f"late{j} {i} " + long_block
+                                                                                   for j in range(6)]}
+            for i in range(4)]
+    docs, one = retrieval.deep_pairs(rows, lo=1200, hi=4000, max_docs=10, seed=3)
+    _, other = retrieval.deep_pairs(rows, lo=1200, hi=4000, max_docs=10, seed=4)
+    same_docs, pooled = retrieval.deep_pairs(rows, lo=1200, hi=4000, max_docs=10, seed=3, draws=2)
+    assert same_docs == docs and pooled == one + other and one != other
+    # query j answers document j % n: two draws score the mean of each draw's score
+    torch.manual_seed(0)
+    corpus, q1, q2 = torch.randn(5, 8), torch.randn(5, 8), torch.randn(5, 8)
+    both, a, b = (retrieval.scores(q, corpus) for q in (torch.cat([q1, q2]), q1, q2))
+    for key in ("recall_at_1", "mrr_at_10"):
+        assert both[key] == pytest.approx((a[key] + b[key]) / 2)
+    owner = torch.arange(5).repeat_interleave(2)
+    parts = torch.randn(10, 8)
+    both, a, b = (retrieval.best_part_scores(q, parts, owner, 5) for q in (torch.cat([q1, q2]), q1, q2))
+    assert both["mrr_at_10"] == pytest.approx((a["mrr_at_10"] + b["mrr_at_10"]) / 2)
+
+
 def test_best_part_scores_rank_a_document_by_its_best_part():
     # doc 0 = parts 0, 1; doc 1 = part 2; doc 2 = parts 3, 4
     parts = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.7, 0.7], [-1.0, 0.0], [0.6, -0.8]])
@@ -294,3 +315,10 @@ def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, w
                  "--window", "16", "--segment", "0", "--out", str(tmp_path / "single")]) == 0
     single = json.loads((tmp_path / "single" / "results.json").read_text())["deep_retrieval"]
     assert [r["method"] for r in single] == list(deep)[:3]
+    assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
+                 "--window", "16", "--query-draws", "3", "--out", str(tmp_path / "draws")]) == 0
+    drawn = json.loads((tmp_path / "draws" / "results.json").read_text())["deep_retrieval"]
+    assert {(r["docs"], r["queries"]) for r in drawn} == {(6, 18)}
+    assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
+                 "--window", "16", "--query-draws", "0", "--out", str(tmp_path / "bad0")]) == 2
+    assert "--query-draws must be >= 1, got 0" in capsys.readouterr().err
