@@ -40,7 +40,7 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from .longdocs import WIDE_SOURCES, prepare_corpus
+from .longdocs import TRAIN_SOURCES, WIDE_SOURCES, prepare_corpus
 from .pydocs import DEFAULT_HTML_ROOT, is_heldout, iter_pages, topic_of, write_jsonl
 
 NAME = "yoso-minilm-l6-4096"
@@ -201,9 +201,10 @@ def longdoc_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> lis
 def _harder_argv(work: Path, teacher: Path, minutes: float, resume: bool, *, start: str, stage: str, steps: int,
                  seed: int, neighbourhood: int = 0, data: str = "longdoc-data", w_distill: str = "2") -> list[str]:
     """The ``yoso-train longdoc`` command of stages four to six: the model of stage ``start`` trained on
-    whole 4096-token crops of the documents in ``data`` with a 1024-document queue, a starting temperature of
-    0.03, 32 short pairs and distillation weight ``w_distill``; with ``neighbourhood``, a step's documents come from that many consecutive
-    documents of one source and the temperature learns at 250× the lr."""
+    whole 4096-token crops of the documents in ``data`` with a 1024-document queue, a starting temperature
+    of 0.03, 32 short pairs and distillation weight ``w_distill``; with ``neighbourhood``, a step's
+    documents come from that many consecutive documents of one source and the temperature learns at 250×
+    the lr."""
     near = (["--neighbourhood", str(neighbourhood), "--temperature", "0.03", "--temperature-lr-scale", "250"]
             if neighbourhood else ["--temperature", "0.03"])
     argv = ["longdoc", "--model", str(work / start / "model"), "--teacher", str(teacher),
@@ -301,13 +302,16 @@ def finetune_argv(work: Path, model: Path, name: str) -> list[str]:
             "--hashes", "0", "--eval-hashes", "32"]
 
 
+# Long-document corpora: stage (and directory under --work) → the sources trained on.
+CORPORA = {"longdoc-data": TRAIN_SOURCES, "longdoc-data-wide": WIDE_SOURCES}
+
 EVALS = ("eval-converted", "eval-student", "retrieval-transfer", "retrieval-heldout", "retrieval-refined",
          "retrieval-longdoc", "retrieval-longdoc2", "retrieval-longdoc3")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="default_model", description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=("data", "longdoc-data", "longdoc-data-wide", *STAGES, "serve-settings", "eval", *EVALS, "finetune",
+    p.add_argument("stage", choices=("data", *CORPORA, *STAGES, "serve-settings", "eval", *EVALS, "finetune",
                                       "topics-teacher", "topics-student", "bundle", "all"))
     p.add_argument("--work", type=Path, default=Path("runs/default-model"))
     p.add_argument("--html-root", type=Path, default=DEFAULT_HTML_ROOT)
@@ -344,10 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     for stage in (s for group in order for s in groups.get(group, [group])):
         if stage == "data":
             print(json.dumps(prepare_data(work / "data", args.html_root, TextTokenizer.from_dir(teacher))))
-        elif stage == "longdoc-data":
-            print(json.dumps(prepare_corpus(work / "longdoc-data", TextTokenizer.from_dir(teacher))))
-        elif stage == "longdoc-data-wide":
-            print(json.dumps(prepare_corpus(work / stage, TextTokenizer.from_dir(teacher), train_sources=WIDE_SOURCES)))
+        elif stage in CORPORA:
+            print(json.dumps(prepare_corpus(work / stage, TextTokenizer.from_dir(teacher), train_sources=CORPORA[stage])))
         elif stage in STAGES:
             resume = (work / stage / "checkpoints" / "last.pt").is_file()
             _cli(STAGES[stage](work, teacher, args.minutes, resume))

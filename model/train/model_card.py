@@ -23,6 +23,7 @@ from yoso_serve.model import load_pretrained
 
 from .default_model import (LONGDOC_CURRICULUM, distill_argv, final_model, longdoc2_argv, longdoc3_argv,
                             longdoc4_argv, longdoc_argv, refine_argv)
+from .longdocs import SOURCES
 from .runtime import read_events
 
 DEEP_MARGIN = 0.05  # deep recall@1 over the windowed teacher's
@@ -207,10 +208,10 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         "documents, on which transfer is measured. No manual page is read: nothing under /usr/share/man, and the "
         "doc packages' renderings of manual pages (git's `git*` pages, PostgreSQL's `sql-*`/`app-*` reference "
         "pages, any page named like an installed manual page) are skipped.", "",
-        f"Stage 6: the same plus seven more documentation packages among the training sources (apache2-doc without "
-        f"its tools' manual pages, python-django-doc, nodejs-doc, r-doc-html, octave-doc, sphinx-doc, "
-        f"python-flask-doc): {wide['train_docs']} training documents ({wide['train_tokens'] / 1e6:.1f}M tokens; the "
-        f"added sources: {', '.join(f'{k} {v}' for k, v in added.items())}); the PostgreSQL documents are the same.", "",
+        f"Stage 6: the same plus {len(added)} more documentation packages among the training sources "
+        f"({', '.join(SOURCES[k].package for k in added)}; their renderings of manual pages skipped as well): "
+        f"{wide['train_docs']} training documents ({wide['train_tokens'] / 1e6:.1f}M tokens; the added sources: "
+        f"{', '.join(f'{k} {v}' for k, v in added.items())}); the PostgreSQL documents are the same.", "",
         "## Training", "",
         "```", f"python -m yoso_serve.model.train.default_model all --work {work}"
         + (f" --minutes {config['max_minutes']:g}" if config["max_minutes"] else ""),

@@ -164,11 +164,11 @@ class Embedders:
             raise ValueError("segments of the one-pass student need mean pooling")
         hidden = self.student.last_hidden(ids, mask, hashes=count)
         w = mask.to(hidden.dtype)[:, :, None]
-        pooled = (hidden * w).sum(1) / w.sum(1).clamp_min(1.0)
         b, n, d = hidden.shape
         pad = k * segment - n
-        hs = F.pad(hidden * w, (0, 0, 0, pad)).view(b, k, segment, d).sum(2)
+        hs = F.pad(hidden * w, (0, 0, 0, pad)).view(b, k, segment, d).sum(2)  # per-segment sums
         ws = F.pad(w, (0, 0, 0, pad)).view(b, k, segment, 1).sum(2)
+        pooled = hs.sum(1) / ws.sum(1).clamp_min(1.0)  # the mean over all tokens, from the same sums
         return torch.cat([pooled[:, None], hs / ws.clamp_min(1.0)], dim=1)
 
     def teacher_truncated(self, texts: list[str]) -> torch.Tensor:

@@ -123,7 +123,8 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert "| stage 5's model, one pass | 300 | 0.580 | 0.630 | 2.00 |" in card
     assert "6. longdoc4 (seed 7): stage 5 continued for 10 optimizer steps on the wider corpus (Data above) with " \
            "the distillation weight at 0.5, otherwise as stage 5. 6.0 minutes over 1 session(s)." in card
-    assert "Stage 6: the same plus seven more documentation packages" in card
+    assert "Stage 6: the same plus 2 more documentation packages among the training sources (apache2-doc, " \
+           "nodejs-doc; their renderings of manual pages skipped as well)" in card
     assert "65 training documents (1.9M tokens; the added sources: apache 9, node 6)" in card
     assert "--data /" in card and "longdoc-data-wide/train_docs.jsonl" in card and "--w-distill 0.5" in card
 
