@@ -21,8 +21,8 @@ from pathlib import Path
 
 from yoso_serve.model import load_pretrained
 
-from .default_model import (LONGDOC_CURRICULUM, distill_argv, final_model, longdoc2_argv, longdoc3_argv,
-                            longdoc4_argv, longdoc_argv, refine_argv)
+from .default_model import (LONGDOC_CURRICULUM, QUERY_DRAWS, distill_argv, final_model, longdoc2_argv,
+                            longdoc3_argv, longdoc4_argv, longdoc_argv, refine_argv)
 from .longdocs import SOURCES
 from .runtime import read_events
 
@@ -132,12 +132,13 @@ def _deep(results: dict | None, prefix: str) -> dict:
 
 
 def _retrieval_table(results: dict | None, before: dict[str, dict | None]) -> list[str]:
-    lines = ["| method | docs | recall@1 | MRR@10 | docs/s |", "|---|---|---|---|---|"]
+    lines = ["| method | docs | queries | recall@1 | MRR@10 | docs/s |", "|---|---|---|---|---|---|"]
     rows = list((results or {}).get("deep_retrieval", []))
     for i, (label, res) in enumerate((EARLIER[k], v) for k, v in before.items() if _deep(v, "student")):
         rows.insert(1 + i, {**_deep(res, "student"), "method": label})
     for r in rows:
-        lines.append(f"| {r['method']} | {r['docs']} | {r['recall_at_1']:.3f} | {r['mrr_at_10']:.3f} | "
+        lines.append(f"| {r['method']} | {r['docs']} | {r.get('queries', r['docs'])} | {r['recall_at_1']:.3f} | "
+                     f"{r['mrr_at_10']:.3f} | "
                      f"{r['docs_per_s']:.2f} |")
     return lines
 
@@ -261,8 +262,9 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         f"{o_minutes:.1f} minutes over {o_sessions} session(s).", "",
         f"Machine: {machine()}.", "",
         "## Deep retrieval: a paragraph from the second half of a document → that document", "",
-        "Documents of 1.2k–4k tokens; the query is one paragraph (≥ 20 words) from each document's second half; "
-        "the corpus is every such document. The student reads each document in one pass at its served setting; "
+        "Documents of 1.2k–4k tokens; a query is one paragraph (≥ 20 words) from a document's second half, "
+        f"drawn {QUERY_DRAWS} times per document with {QUERY_DRAWS} seeds and pooled (one draw of 300 queries has a "
+        "standard error of about 0.027); the corpus is every such document. The student reads each document in one pass at its served setting; "
         "the teacher either truncated at its 512 positions or over consecutive 240-token windows whose unit "
         "embeddings are averaged (what a user of a 512-token model does). docs/s: document embedding only, "
         "on the shared CPU (indicative).", "",

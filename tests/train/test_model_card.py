@@ -23,12 +23,12 @@ def test_passages_pack_paragraphs_up_to_the_word_limit():
 
 
 def _deep(student: float, refined: float | None = None) -> list[dict]:
-    rows = [{"method": "student, one pass", "docs": 300, "recall_at_1": student, "mrr_at_10": student + 0.05,
-             "docs_per_s": 2.0},
-            {"method": "teacher, 240-token windows averaged", "docs": 300, "recall_at_1": 0.66, "mrr_at_10": 0.7,
-             "docs_per_s": 3.0},
-            {"method": "teacher, truncated at 512", "docs": 300, "recall_at_1": 0.46, "mrr_at_10": 0.5,
-             "docs_per_s": 9.0}]
+    rows = [{"method": "student, one pass", "docs": 300, "queries": 900, "recall_at_1": student,
+             "mrr_at_10": student + 0.05, "docs_per_s": 2.0},
+            {"method": "teacher, 240-token windows averaged", "docs": 300, "queries": 900, "recall_at_1": 0.66,
+             "mrr_at_10": 0.7, "docs_per_s": 3.0},
+            {"method": "teacher, truncated at 512", "docs": 300, "queries": 900, "recall_at_1": 0.46,
+             "mrr_at_10": 0.5, "docs_per_s": 9.0}]
     return rows
 
 
@@ -96,12 +96,13 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert not bundle(losing, target)
     assert not target.exists()
     card = (losing / "MODEL_CARD.md").read_text()
-    assert "| student, one pass | 300 | 0.600 | 0.650 | 2.00 |" in card
-    assert "| refined model (stage 2), one pass | 300 | 0.620 | 0.670 | 2.00 |" in card
-    assert "| teacher, 240-token windows averaged | 300 | 0.660 | 0.700 | 3.00 |" in card
+    assert "| student, one pass | 300 | 900 | 0.600 | 0.650 | 2.00 |" in card
+    assert "| refined model (stage 2), one pass | 300 | 900 | 0.620 | 0.670 | 2.00 |" in card
+    assert "| teacher, 240-token windows averaged | 300 | 900 | 0.660 | 0.700 | 3.00 |" in card
+    assert "drawn 3 times per document with 3 seeds and pooled" in card
     assert "deep recall@1 at least the windowed teacher's + 0.05: not met" in card
     assert "short recall@1 at least 0.97 × the teacher's: met" in card
-    assert "| stage 3's model, one pass | 300 | 0.500 | 0.550 | 2.00 |" in card
+    assert "| stage 3's model, one pass | 300 | 900 | 0.500 | 0.550 | 2.00 |" in card
     assert "improves deep retrieval on the source kept out over every earlier stage measured: no" in card
     assert "1. distill (seed 0): the converted teacher trained 40 optimizer steps (batch 16 × 1, lr 0.00015) " \
            "in 30.5 minutes of wall-clock time over 2 session(s)" in card
@@ -112,7 +113,7 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert "4. longdoc2 (seed 1): stage 3 continued for 50 optimizer steps on crops of 4096:1" in card
     assert "a queue of 1024 documents, a starting temperature of 0.03, 32 short pairs" in card
     assert "15.0 minutes over 1 session(s)" in card and "yoso-train longdoc --model" in card
-    assert "| stage 4's model, one pass | 300 | 0.550 | 0.600 | 2.00 |" in card
+    assert "| stage 4's model, one pass | 300 | 900 | 0.550 | 0.600 | 2.00 |" in card
     assert "5. longdoc3 (seed 2): stage 4 continued for 20 optimizer steps with neighbouring documents" in card
     assert "drawn from 12 consecutive documents of one source in key order" in card
     assert "at 250× the lr of the rest, lr 2e-05, otherwise as stage 4. 7.0 minutes over 1 session(s)" in card
@@ -120,7 +121,7 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert "--conv-window 33 --conv-lr-scale 40" in card and "yoso-train longdoc --model" in card
     assert "| 32 | 0.9180 | 0.8180 |" in card  # agreement is still reported
     assert "int8 hashing" not in card  # the tiny model hashes in fp32
-    assert "| stage 5's model, one pass | 300 | 0.580 | 0.630 | 2.00 |" in card
+    assert "| stage 5's model, one pass | 300 | 900 | 0.580 | 0.630 | 2.00 |" in card
     assert "6. longdoc4 (seed 7): stage 5 continued for 10 optimizer steps on the wider corpus (Data above) with " \
            "the distillation weight at 0.5, otherwise as stage 5. 6.0 minutes over 1 session(s)." in card
     assert "Stage 6: the same plus 2 more documentation packages among the training sources (apache2-doc, " \
@@ -231,3 +232,13 @@ def test_the_wider_corpus_is_its_own_stage_outside_the_pipeline(tmp_path, monkey
     monkeypatch.setattr(default_model, "prepare_corpus", lambda out, tok, **kw: seen.append((out, kw)) or {})
     assert default_model.main(["longdoc-data-wide", "--work", str(tmp_path)]) == 0
     assert seen == [(tmp_path / "longdoc-data-wide", {"train_sources": default_model.WIDE_SOURCES})]
+
+
+def test_every_retrieval_eval_of_the_pipeline_pools_the_same_query_draws(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(default_model, "_cli", lambda argv: seen.update({argv[argv.index("--out") + 1]: argv}))
+    for name in [e for e in default_model.EVALS if e.startswith("retrieval-")]:
+        assert default_model.main([name, "--work", str(tmp_path)]) == 0
+    assert len(seen) == 6
+    for argv in seen.values():  # the final model and the earlier stages are judged on the same 3 × 300 queries
+        assert argv[argv.index("--query-draws") + 1] == "3" and argv[argv.index("--seed") + 1] == "0"
