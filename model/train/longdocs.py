@@ -153,6 +153,19 @@ SOURCES: dict[str, Source] = {s.name: s for s in (
     Source("octave", DOC_ROOT / "octave" / "octave.html", "octave-doc"),
     Source("sphinx", DOC_ROOT / "sphinx-doc" / "html", "sphinx-doc", lambda rel: not rel.startswith("man/")),
     Source("flask", DOC_ROOT / "python-flask-doc" / "html", "python-flask-doc"),
+    # seven more for WIDER_SOURCES: prose only (API pages generated one per function, release notes and the
+    # redirect stubs are left out), and no page of CMake's manual/ and the references its manual pages include
+    Source("sqlalchemy", DOC_ROOT / "python-sqlalchemy-doc" / "html", "python-sqlalchemy-doc",
+           lambda rel: not rel.startswith("changelog/")),
+    Source("pandas", DOC_ROOT / "python-pandas-doc" / "html", "python-pandas-doc",
+           lambda rel: rel.startswith(("user_guide/", "getting_started/", "development/"))),
+    Source("scipy", DOC_ROOT / "python-scipy-doc" / "html", "python-scipy-doc",
+           lambda rel: rel.startswith(("tutorial/", "dev/"))),
+    Source("pytest", DOC_ROOT / "python-pytest-doc" / "html", "python-pytest-doc",
+           lambda rel: not rel.startswith(("announce/", "changelog"))),
+    Source("gnuplot", DOC_ROOT / "gnuplot" / "htmldocs", "gnuplot-doc"),
+    Source("vim", DOC_ROOT / "vim" / "html", "vim-doc", lambda rel: not rel.startswith("version")),
+    Source("cmake", DOC_ROOT / "cmake-data" / "html", "cmake-doc", lambda rel: rel.startswith("guide/")),
 )}
 
 
@@ -215,6 +228,7 @@ def read_source(source: Source, tokenizer, *, max_tokens: int, min_tokens: int,
 
 TRAIN_SOURCES = ("python", "linux", "rust", "go", "debian-reference", "debian-handbook", "git", "sqlite")
 WIDE_SOURCES = (*TRAIN_SOURCES, "apache", "django", "node", "r", "octave", "sphinx", "flask")
+WIDER_SOURCES = (*WIDE_SOURCES, "sqlalchemy", "pandas", "scipy", "pytest", "gnuplot", "vim", "cmake")
 TRANSFER_SOURCES = ("postgresql",)  # never trained on: deep retrieval on it measures transfer
 
 
