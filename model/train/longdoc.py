@@ -236,12 +236,16 @@ class LongDocLoss(nn.Module):
         # span → document: the batch's documents, then the queue (minus copies of this batch's documents)
         stale = (self.queue_keys[None, :] == batch["doc_keys"][:, None]).any(0) | (self.queue_keys < 0)
         queue = self.queue[~stale]
-        q2d = F.cross_entropy(scale * spans @ torch.cat([docs, queue]).T, span_doc)
-        # document → span: each span against every span of the batch but its document's other spans
-        logits = scale * docs[span_doc] @ spans.T  # (S, S): row r is the document of span r
-        others = (span_doc[:, None] == span_doc[None, :]) & ~torch.eye(n_spans, dtype=torch.bool, device=logits.device)
-        d2q = F.cross_entropy(logits.masked_fill(others, -1e4), torch.arange(n_spans, device=logits.device))
-        loss_long = (q2d + d2q) / 2
+        if n_spans:
+            q2d = F.cross_entropy(scale * spans @ torch.cat([docs, queue]).T, span_doc)
+            # document → span: each span against every span of the batch but its document's other spans
+            logits = scale * docs[span_doc] @ spans.T  # (S, S): row r is the document of span r
+            others = (span_doc[:, None] == span_doc[None, :]) & ~torch.eye(n_spans, dtype=torch.bool,
+                                                                          device=logits.device)
+            d2q = F.cross_entropy(logits.masked_fill(others, -1e4), torch.arange(n_spans, device=logits.device))
+            loss_long = (q2d + d2q) / 2
+        else:  # no block of the step's crops fits a span: the step trains on its short texts alone
+            loss_long = docs.sum() * 0.0
         pair = scale * first @ rest.T
         target = torch.arange(n_pairs, device=pair.device)
         loss_short = (F.cross_entropy(pair, target) + F.cross_entropy(pair.T, target)) / 2
@@ -249,7 +253,7 @@ class LongDocLoss(nn.Module):
         self.push(docs.detach(), batch["doc_keys"])
         loss = loss_long + self.w_short * loss_short + self.w_distill * loss_distill
         with torch.no_grad():
-            top1 = (spans @ docs.T).argmax(-1).eq(span_doc).float().mean()
+            top1 = (spans @ docs.T).argmax(-1).eq(span_doc).float().mean() if n_spans else torch.zeros(())
         return loss, {"long_loss": float(loss_long.detach()), "short_loss": float(loss_short.detach()),
                       "distill_loss": float(loss_distill.detach()), "temperature": float(1.0 / scale.detach()),
                       "span_top1": float(top1)}
@@ -341,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
         ids, mask = pad(docs, tok.pad_id)
         short_ids, short_mask = pad(short, tok.pad_id)
         return {"input_ids": ids, "attention_mask": mask, "short_ids": short_ids, "short_mask": short_mask,
-                "span_doc": torch.tensor(span_doc), "n_pairs": torch.tensor(len(pairs)),
+                "span_doc": torch.tensor(span_doc, dtype=torch.long), "n_pairs": torch.tensor(len(pairs)),
                 "doc_keys": torch.tensor([hash_key(k) for k in keys]),
                 "doc_hashes": torch.tensor(rng.choice(doc_hashes)), "query_hashes": torch.tensor(rng.choice(query_hashes)),
                 "fresh_seed": torch.tensor(rng.randrange(1, 1 << 30))}

@@ -11,8 +11,8 @@ import torch
 
 from yoso_serve.model.train import longdocs, retrieval
 from yoso_serve.model.train.cli import main
-from yoso_serve.model.train.longdoc import (DocCorpus, crop_length, mine_neighbours, parse_curriculum,
-                                            step_documents)
+from yoso_serve.model.train.longdoc import (DocCorpus, LongDocLoss, crop_length, mine_neighbours,
+                                            parse_curriculum, step_documents)
 from yoso_serve.model.train.runtime import read_events
 
 TOPICS = [("alpha", "beta", "gamma"), ("python", "module", "function"), ("file", "path", "error"),
@@ -209,6 +209,27 @@ def test_longdoc_learns_to_find_spans_and_writes_a_servable_model(tiny_bert, tin
     model = load_pretrained(out / "model")
     ids = torch.tensor([model.tokenizer.encode(["alpha beta gamma"])[0]])
     assert torch.isfinite(model.embed(ids, torch.ones_like(ids))).all()
+
+
+def test_a_step_whose_crops_hold_no_span_trains_on_its_short_texts(tiny_yoso):
+    # a batch of documents with no block of 8+ tokens inside the crop gives no span at all: once, this
+    # built a float (0,) target and stopped a run at step 33 (cross_entropy wants integer targets)
+    from yoso_serve.model import load_pretrained
+
+    student = load_pretrained(tiny_yoso)
+    loss_fn = LongDocLoss(student, temperature=0.05, queue=4, weights=(1.0, 0.5))
+    g = torch.Generator().manual_seed(0)
+    vocab = student.config.vocab_size
+    docs, short = torch.randint(5, vocab, (2, 40), generator=g), torch.randint(5, vocab, (4, 12), generator=g)
+    batch = {"input_ids": docs, "attention_mask": torch.ones_like(docs), "short_ids": short,
+             "short_mask": torch.ones_like(short), "span_doc": torch.tensor([], dtype=torch.long),
+             "n_pairs": torch.tensor(2), "doc_keys": torch.tensor([11, 12]), "doc_hashes": torch.tensor(0),
+             "query_hashes": torch.tensor(0), "t_short": torch.randn(4, student.config.hidden_size, generator=g)}
+    loss, logs = loss_fn(batch)
+    assert torch.isfinite(loss) and logs["long_loss"] == 0.0 and logs["short_loss"] > 0
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in loss_fn.student.parameters())
+    assert (loss_fn.queue_keys >= 0).sum() == 2  # the step's documents still enter the queue
 
 
 def test_longdoc_resume_reproduces_an_uninterrupted_run(tiny_bert, tiny_yoso, docs_file, tmp_path):
