@@ -7,8 +7,9 @@ pipeline that starts from a bundled model without its earlier run directories (a
 reports those stages from the starting model's record. The student is copied
 into the bundle only when, on the documentation source kept out of training, its one-pass
 deep retrieval beats every earlier stage's model that was measured there (recall@1: the refined
-model, and stages three to five); otherwise the card lands in the work directory only. The targets (deep recall@1 at least the windowed teacher's + 0.05,
-short recall@1 at least 0.97 × the teacher's) are reported, met or not.
+model, and stages three to five); otherwise the card lands in the work directory only. The targets
+(deep recall@1 at least the windowed teacher's + 0.05, short recall@1 at least 0.97 × the teacher's)
+are reported, met or not.
 """
 
 from __future__ import annotations
@@ -138,8 +139,7 @@ def _retrieval_table(results: dict | None, before: dict[str, dict | None]) -> li
         rows.insert(1 + i, {**_deep(res, "student"), "method": label})
     for r in rows:
         lines.append(f"| {r['method']} | {r['docs']} | {r.get('queries', r['docs'])} | {r['recall_at_1']:.3f} | "
-                     f"{r['mrr_at_10']:.3f} | "
-                     f"{r['docs_per_s']:.2f} |")
+                     f"{r['mrr_at_10']:.3f} | {r['docs_per_s']:.2f} |")
     return lines
 
 
@@ -264,9 +264,10 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         "## Deep retrieval: a paragraph from the second half of a document → that document", "",
         "Documents of 1.2k–4k tokens; a query is one paragraph (≥ 20 words) from a document's second half, "
         f"drawn {QUERY_DRAWS} times per document with {QUERY_DRAWS} seeds and pooled (one draw of 300 queries has a "
-        "standard error of about 0.027); the corpus is every such document. The student reads each document in one pass at its served setting; "
-        "the teacher either truncated at its 512 positions or over consecutive 240-token windows whose unit "
-        "embeddings are averaged (what a user of a 512-token model does). docs/s: document embedding only, "
+        "standard error of about 0.027); the corpus is every such document. The student reads each document in "
+        "one pass at its served setting; the teacher either truncated at its 512 positions or over consecutive "
+        "240-token windows whose unit embeddings are averaged (what a user of a 512-token model does). docs/s: "
+        "document embedding only, "
         "on the shared CPU (indicative).", "",
         "PostgreSQL documentation (never trained on):", "",
         *_retrieval_table(transfer, before), "",
