@@ -18,10 +18,12 @@ Stages, each resumable and each writing under ``--work`` (default ``runs/default
     longdoc-data-wide  the same documents plus seven more doc packages (``WIDE_SOURCES``) among the
               training sources, into longdoc-data-wide/ (the PostgreSQL documents are the same)
     longdoc4  stage five continued on the wider corpus with a quarter of the distillation weight
+    longdoc-data-unseen  seven more doc packages no stage trains on (``UNSEEN_SOURCES``), into
+              longdoc-data-unseen/transfer_docs.jsonl: a second source kept out
     serve-settings  the final model's serving settings into its config.json (int8 hashing), so that every
               evaluation below measures what is served
     eval      student and the plain converted model against the teacher on held-out text; deep and
-              short retrieval on held-out documents and on the source kept out
+              short retrieval on held-out documents and on the sources kept out
     finetune  topic classification (documentation area of a section): student and teacher
     bundle    fp16 copy + MODEL_CARD.md (+ training.json) into model/bundled/, only if the final
               model's deep retrieval on the source kept out beats every earlier stage's
@@ -40,7 +42,7 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from .longdocs import TRAIN_SOURCES, WIDE_SOURCES, prepare_corpus
+from .longdocs import TRAIN_SOURCES, UNSEEN_SOURCES, WIDE_SOURCES, prepare_corpus
 from .pydocs import DEFAULT_HTML_ROOT, is_heldout, iter_pages, topic_of, write_jsonl
 
 NAME = "yoso-minilm-l6-4096"
@@ -282,11 +284,12 @@ STAGES = {"distill": distill_argv, "refine": refine_argv, "longdoc": longdoc_arg
 QUERY_DRAWS = 3
 
 
-def retrieval_argv(work: Path, model: Path, teacher: Path, name: str, docs: str) -> list[str]:
-    """Deep and short retrieval of ``model`` against the teacher on ``longdoc-data/{docs}_docs.jsonl``,
+def retrieval_argv(work: Path, model: Path, teacher: Path, name: str, docs: str,
+                   corpus: str = "longdoc-data") -> list[str]:
+    """Deep and short retrieval of ``model`` against the teacher on ``{corpus}/{docs}_docs.jsonl``,
     QUERY_DRAWS queries per document."""
     return ["eval", "--model", str(model), "--teacher", str(teacher), "--retrieval-data",
-            str(work / "longdoc-data" / f"{docs}_docs.jsonl"), "--out", str(work / name), "--seed", "0",
+            str(work / corpus / f"{docs}_docs.jsonl"), "--out", str(work / name), "--seed", "0",
             "--query-draws", str(QUERY_DRAWS)]
 
 
@@ -309,11 +312,13 @@ def finetune_argv(work: Path, model: Path, name: str) -> list[str]:
             "--hashes", "0", "--eval-hashes", "32"]
 
 
-# Long-document corpora: stage (and directory under --work) → the sources trained on.
-CORPORA = {"longdoc-data": TRAIN_SOURCES, "longdoc-data-wide": WIDE_SOURCES}
+# Long-document corpora: stage (and directory under --work) → prepare_corpus's sources. longdoc-data-unseen
+# trains nothing: its transfer documents are the seven packages no stage trains on, a second source of transfer.
+CORPORA = {"longdoc-data": {"train_sources": TRAIN_SOURCES}, "longdoc-data-wide": {"train_sources": WIDE_SOURCES},
+           "longdoc-data-unseen": {"train_sources": (), "transfer_sources": UNSEEN_SOURCES}}
 
-EVALS = ("eval-converted", "eval-student", "retrieval-transfer", "retrieval-heldout", "retrieval-refined",
-         "retrieval-longdoc", "retrieval-longdoc2", "retrieval-longdoc3")
+EVALS = ("eval-converted", "eval-student", "retrieval-transfer", "retrieval-unseen", "retrieval-heldout",
+         "retrieval-refined", "retrieval-longdoc", "retrieval-longdoc2", "retrieval-longdoc3")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         "eval-student": lambda: _cli(eval_argv(work, final_model(work), teacher, "eval-student")),
         "retrieval-transfer": lambda: _cli(retrieval_argv(work, final_model(work), teacher, "retrieval-transfer",
                                                           "transfer")),
+        "retrieval-unseen": lambda: _cli(retrieval_argv(work, final_model(work), teacher, "retrieval-unseen",
+                                                        "transfer", corpus="longdoc-data-unseen")),
         "retrieval-heldout": lambda: _cli(retrieval_argv(work, final_model(work), teacher, "retrieval-heldout",
                                                          "heldout")),
         "retrieval-refined": lambda: _cli(retrieval_argv(work, work / "refine" / "model", teacher,
@@ -350,13 +357,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     groups = {"eval": list(EVALS), "finetune": ["topics-teacher", "topics-student"]}
     order = ["data", "distill", "refine", "longdoc-data", "longdoc", "longdoc2", "longdoc3", "longdoc-data-wide",
-             "longdoc4", "serve-settings", "eval", "finetune", "bundle"] \
+             "longdoc4", "longdoc-data-unseen", "serve-settings", "eval", "finetune", "bundle"] \
         if args.stage == "all" else [args.stage]
     for stage in (s for group in order for s in groups.get(group, [group])):
         if stage == "data":
             print(json.dumps(prepare_data(work / "data", args.html_root, TextTokenizer.from_dir(teacher))))
         elif stage in CORPORA:
-            print(json.dumps(prepare_corpus(work / stage, TextTokenizer.from_dir(teacher), train_sources=CORPORA[stage])))
+            print(json.dumps(prepare_corpus(work / stage, TextTokenizer.from_dir(teacher), **CORPORA[stage])))
         elif stage in STAGES:
             resume = (work / stage / "checkpoints" / "last.pt").is_file()
             _cli(STAGES[stage](work, teacher, args.minutes, resume))

@@ -128,9 +128,19 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
            "nodejs-doc; their renderings of manual pages skipped as well)" in card
     assert "65 training documents (1.9M tokens; the added sources: apache 9, node 6)" in card
     assert "--data /" in card and "longdoc-data-wide/train_docs.jsonl" in card and "--w-distill 0.5" in card
+    assert "Not measured for this model (`retrieval-unseen`)." in card
+    assert "The same on the seven packages" not in card and "Kept out of every stage as well" not in card
 
 
     winning = _work(tmp_path / "win", tiny_yoso, student_recall=0.75, refined_recall=0.62, short=0.85)
+    (winning / "retrieval-unseen").mkdir()
+    shorts = [{"method": "student", "pairs": 30, "recall_at_1": 0.5, "mrr_at_10": 0.6},
+              {"method": "teacher", "pairs": 30, "recall_at_1": 0.45, "mrr_at_10": 0.55}]
+    (winning / "retrieval-unseen" / "results.json").write_text(json.dumps({"deep_retrieval": _deep(0.69),
+                                                                          "short_retrieval": shorts}))
+    (winning / "longdoc-data-unseen").mkdir()
+    (winning / "longdoc-data-unseen" / "counts.json").write_text(json.dumps(
+        {"transfer_docs": 12, "transfer_by_source": {"pandas": 5, "vim": 7}}))
     default_model.apply_served_settings(winning / "longdoc4" / "model")
     assert bundle(winning, target)
     card = (target / "MODEL_CARD.md").read_text()
@@ -138,6 +148,13 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert card == (winning / "MODEL_CARD.md").read_text()
     assert "deep recall@1 at least the windowed teacher's + 0.05: met" in card
     assert "short recall@1 at least 0.97 × the teacher's: not met" in card  # 0.85 < 0.97 × 0.9
+    # the seven packages no stage trains on: their own table, short row and verdicts (0.69 < 0.66 + 0.05)
+    unseen = card.split("Seven more documentation packages no stage trained on (python-sqlalchemy-doc, ")[1]
+    assert unseen.split("Held-out pages")[0].count("| student, one pass | 300 | 900 | 0.690 | 0.740 | 2.00 |") == 1
+    assert "| seven packages not trained on | student | 30 | 0.500 | 0.600 |" in card
+    assert "The same on the seven packages: not met; met." in card
+    assert "Kept out of every stage as well, a second measure of transfer: 12 documents of 7 more packages " \
+           "(pandas 5, vim 7)." in card
     assert load_pretrained(target).config.hidden_size == 32
     # beating the refined model is not enough when stage three or four did better than the final model
     assert not bundle(_work(tmp_path / "worse", tiny_yoso, student_recall=0.70, refined_recall=0.62,
@@ -219,19 +236,23 @@ def test_pipeline_waits_for_a_stage_stopped_by_its_time_limit(tmp_path, monkeypa
     assert default_model.main(["all", "--work", str(work)]) == 0
     # the evaluations and the bundle see the served settings
     assert json.loads((work / "longdoc4" / "model" / "config.json").read_text()) == {"num_hash": 32, "hash_int8": True}
-    assert calls[:8] == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc"),
-                         str(work / "longdoc2"), str(work / "longdoc3"), "longdoc-data-wide", str(work / "longdoc4")]
-    assert calls[8:16] == [str(work / n) for n in ("eval-converted", "eval-student", "retrieval-transfer",
-                                                   "retrieval-heldout", "retrieval-refined", "retrieval-longdoc",
-                                                   "retrieval-longdoc2", "retrieval-longdoc3")]
-    assert calls[-1] == "bundle" and len(calls) == 19  # + topics-teacher, topics-student
+    assert calls[:9] == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc"),
+                         str(work / "longdoc2"), str(work / "longdoc3"), "longdoc-data-wide", str(work / "longdoc4"),
+                         "longdoc-data-unseen"]
+    assert calls[9:18] == [str(work / n) for n in ("eval-converted", "eval-student", "retrieval-transfer",
+                                                   "retrieval-unseen", "retrieval-heldout", "retrieval-refined",
+                                                   "retrieval-longdoc", "retrieval-longdoc2", "retrieval-longdoc3")]
+    assert calls[-1] == "bundle" and len(calls) == 21  # + topics-teacher, topics-student
 
 
-def test_the_wider_corpus_is_its_own_stage_outside_the_pipeline(tmp_path, monkeypatch):
+def test_the_wider_corpus_and_the_unseen_packages_are_stages_of_their_own(tmp_path, monkeypatch):
     seen = []
     monkeypatch.setattr(default_model, "prepare_corpus", lambda out, tok, **kw: seen.append((out, kw)) or {})
     assert default_model.main(["longdoc-data-wide", "--work", str(tmp_path)]) == 0
-    assert seen == [(tmp_path / "longdoc-data-wide", {"train_sources": default_model.WIDE_SOURCES})]
+    assert default_model.main(["longdoc-data-unseen", "--work", str(tmp_path)]) == 0
+    assert seen == [(tmp_path / "longdoc-data-wide", {"train_sources": default_model.WIDE_SOURCES}),
+                    (tmp_path / "longdoc-data-unseen", {"train_sources": (),
+                                                        "transfer_sources": default_model.UNSEEN_SOURCES})]
 
 
 def test_every_retrieval_eval_of_the_pipeline_pools_the_same_query_draws(tmp_path, monkeypatch):
@@ -239,6 +260,9 @@ def test_every_retrieval_eval_of_the_pipeline_pools_the_same_query_draws(tmp_pat
     monkeypatch.setattr(default_model, "_cli", lambda argv: seen.update({argv[argv.index("--out") + 1]: argv}))
     for name in [e for e in default_model.EVALS if e.startswith("retrieval-")]:
         assert default_model.main([name, "--work", str(tmp_path)]) == 0
-    assert len(seen) == 6
+    assert len(seen) == 7
     for argv in seen.values():  # the final model and the earlier stages are judged on the same 3 × 300 queries
         assert argv[argv.index("--query-draws") + 1] == "3" and argv[argv.index("--seed") + 1] == "0"
+    data = {Path(out).name: Path(argv[argv.index("--retrieval-data") + 1]) for out, argv in seen.items()}
+    assert data["retrieval-unseen"] == tmp_path / "longdoc-data-unseen" / "transfer_docs.jsonl"
+    assert data["retrieval-transfer"] == tmp_path / "longdoc-data" / "transfer_docs.jsonl"
