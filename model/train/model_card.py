@@ -40,6 +40,14 @@ def _counts(by_source: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in by_source.items())
 
 
+def _packages(sources) -> str:
+    return ", ".join(SOURCES[k].package for k in sources)
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "not met"
+
+
 def training_time(rows: list[dict]) -> tuple[float, int]:
     """(wall-clock minutes, sessions) of a run's events when it may have been stopped and resumed:
     the sum over sessions (split at "start" / "resume" events) of first-to-last event time."""
@@ -186,7 +194,6 @@ def card(work: Path, name: str) -> tuple[str, bool]:
     wide = json.loads((work / "longdoc-data-wide" / "counts.json").read_text())
     added = {k: v for k, v in wide["train_by_source"].items() if k not in docs["train_by_source"]}
     met, met_unseen = targets(transfer), targets(unseen)
-    unseen_packages = ", ".join(SOURCES[k].package for k in UNSEEN_SOURCES)
     kept = _results(work / "longdoc-data-unseen", "counts.json")
     topics = {run.name: (json.loads((run / "config.json").read_text()), _results(run))
               for run in sorted(work.glob("topics-*")) if (run / "results.json").is_file()}
@@ -217,7 +224,7 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         "doc packages' renderings of manual pages (git's `git*` pages, PostgreSQL's `sql-*`/`app-*` reference "
         "pages, any page named like an installed manual page) are skipped.", "",
         f"Stage 6: the same plus {len(added)} more documentation packages among the training sources "
-        f"({', '.join(SOURCES[k].package for k in added)}; their renderings of manual pages skipped as well): "
+        f"({_packages(added)}; their renderings of manual pages skipped as well): "
         f"{wide['train_docs']} training documents ({wide['train_tokens'] / 1e6:.1f}M tokens; the added sources: "
         f"{_counts(added)}); the PostgreSQL documents are the same.", "",
         *([f"Kept out of every stage as well, a second measure of transfer: {kept['transfer_docs']} documents of "
@@ -276,11 +283,10 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         "standard error of about 0.027); the corpus is every such document. The student reads each document in "
         "one pass at its served setting; the teacher either truncated at its 512 positions or over consecutive "
         "240-token windows whose unit embeddings are averaged (what a user of a 512-token model does). docs/s: "
-        "document embedding only, "
-        "on the shared CPU (indicative).", "",
+        "document embedding only, on the shared CPU (indicative).", "",
         "PostgreSQL documentation (never trained on):", "",
         *_retrieval_table(transfer, before), "",
-        f"Seven more documentation packages no stage trained on ({unseen_packages}; prose pages only, as "
+        f"Seven more documentation packages no stage trained on ({_packages(UNSEEN_SOURCES)}; prose pages only, as "
         "`longdocs.py` reads them), one corpus:", "",
         *(_retrieval_table(unseen, {}) if unseen else ["Not measured for this model (`retrieval-unseen`)."]), "",
         "Held-out pages of the training sources:", "",
@@ -289,10 +295,10 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         *_short_table({"PostgreSQL": transfer, "seven packages not trained on": unseen, "held-out pages": heldout}),
         "",
         f"Targets on the PostgreSQL documents: deep recall@1 at least the windowed teacher's + {DEEP_MARGIN}: "
-        f"{'met' if met['deep_recall_at_1'] else 'not met'}; short recall@1 at least {SHORT_RATIO} × the "
-        f"teacher's: {'met' if met['short_recall_at_1'] else 'not met'}."
-        + (f" The same on the seven packages: {'met' if met_unseen['deep_recall_at_1'] else 'not met'}; "
-           f"{'met' if met_unseen['short_recall_at_1'] else 'not met'}." if unseen else ""), "",
+        f"{_verdict(met['deep_recall_at_1'])}; short recall@1 at least {SHORT_RATIO} × the "
+        f"teacher's: {_verdict(met['short_recall_at_1'])}."
+        + (f" The same on the seven packages: {_verdict(met_unseen['deep_recall_at_1'])}; "
+           f"{_verdict(met_unseen['short_recall_at_1'])}." if unseen else ""), "",
         "## Agreement with the teacher (no longer a target)", "",
         f"Texts ≤ 256 tokens ({(agreement_at(student, 32) or {}).get('texts', 0)} held-out passages):", "",
         *_table(student, converted), "",
