@@ -54,9 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="student hash count in retrieval: 'auto' (the server's default: exact below the measured "
                         "crossover, the model's count above, per text) or an int (0 = exact)")
     p.add_argument("--window", type=int, default=240, help="teacher window in tokens for windowed retrieval")
-    p.add_argument("--segment", type=int, default=128,
+    p.add_argument("--segment", type=int, default=None,
                    help="tokens per piece of the student's one pass in the multi-vector rows of deep retrieval "
-                        "(0 = no multi-vector rows)")
+                        "(default: --window, so both rows index pieces of one size; 0 = no multi-vector rows)")
     p.add_argument("--short-pairs", type=int, default=500, help="pairs in the short-retrieval task")
     p.add_argument("--hashes", default="0,8,16,32,64", help="hash counts to evaluate (0 = exact)")
     p.add_argument("--long-hashes", default="32", help="hash counts for --long-data")
@@ -168,8 +168,9 @@ def retrieval_results(args: argparse.Namespace, model: EncoderModel, teacher: Be
         raise ValueError(f"--window must be in 3..{teacher.max_positions}, got {args.window}")
     if args.query_draws < 1:
         raise ValueError(f"--query-draws must be >= 1, got {args.query_draws}")
-    if args.segment < 0:
-        raise ValueError(f"--segment must be >= 0 (0 = no multi-vector rows), got {args.segment}")
+    segment = args.window if args.segment is None else args.segment
+    if segment < 0:
+        raise ValueError(f"--segment must be >= 0 (0 = no multi-vector rows), got {segment}")
     rows = read_documents(args.retrieval_data)
     docs, queries = retrieval.deep_pairs(rows, lo=lo, hi=hi, max_docs=args.retrieval_docs, seed=args.seed,
                                          draws=args.query_draws)
@@ -177,7 +178,7 @@ def retrieval_results(args: argparse.Namespace, model: EncoderModel, teacher: Be
         raise ValueError(f"--retrieval-data: {len(docs)} documents of {lo}..{hi} tokens with a late paragraph; need 2")
     firsts, rests = retrieval.short_pairs(rows, max_pairs=args.short_pairs, seed=args.seed)
     emb = retrieval.Embedders(model, teacher, hashes=hashes, window=args.window, device=device)
-    return {"deep_retrieval": retrieval.deep_retrieval(emb, docs, queries, segment=args.segment),
+    return {"deep_retrieval": retrieval.deep_retrieval(emb, docs, queries, segment=segment),
             "short_retrieval": retrieval.short_retrieval(emb, firsts, rests) if len(firsts) >= 2 else []}
 
 

@@ -338,7 +338,7 @@ def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, w
     deep = {r["method"]: r for r in results["deep_retrieval"]}
     assert list(deep) == ["student, one pass", "teacher, 16-token windows averaged", "teacher, truncated at 64",
                           "multi-vector: teacher, each 16-token window, best",
-                          "multi-vector: student, one pass, each 128-token segment, best"]
+                          "multi-vector: student, one pass, each 16-token segment, best"]
     for row in deep.values():
         assert row["docs"] == 6 and 0 <= row["recall_at_1"] <= row["mrr_at_10"] <= 1 and row["docs_per_s"] > 0
     assert [r["method"] for r in results["short_retrieval"]] == ["student", "teacher"]
@@ -352,6 +352,10 @@ def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, w
                  "--window", "16", "--segment", "0", "--out", str(tmp_path / "single")]) == 0
     single = json.loads((tmp_path / "single" / "results.json").read_text())["deep_retrieval"]
     assert [r["method"] for r in single] == list(deep)[:3]
+    assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
+                 "--window", "16", "--segment", "8", "--out", str(tmp_path / "finer")]) == 0
+    finer = json.loads((tmp_path / "finer" / "results.json").read_text())["deep_retrieval"]
+    assert finer[-1]["method"] == "multi-vector: student, one pass, each 8-token segment, best"
     assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
                  "--window", "16", "--query-draws", "3", "--out", str(tmp_path / "draws")]) == 0
     drawn = json.loads((tmp_path / "draws" / "results.json").read_text())["deep_retrieval"]
