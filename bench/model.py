@@ -61,11 +61,11 @@ def models(path: Path):
 
 
 def windows(ids: torch.Tensor, tok, size: int = WINDOW) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask) of every row of ``ids`` cut into consecutive windows of ``size`` tokens with the
-    tokenizer's specials (``tok.wrap``); the last window of a row is padded (mask 0)."""
+    """(ids, mask) of every row of ``ids`` cut into consecutive windows of at most ``size`` tokens with the
+    tokenizer's specials (``tok.wrap``), padded (mask 0) to the longest window."""
     body = size - tok.num_special_tokens
     rows = [tok.wrap(row[s:s + body].tolist()) for row in ids for s in range(0, len(row), body)]
-    out = torch.full((len(rows), size), tok.pad_id, dtype=ids.dtype)
+    out = torch.full((len(rows), max(map(len, rows))), tok.pad_id, dtype=ids.dtype)
     mask = torch.zeros_like(out)
     for i, row in enumerate(rows):
         out[i, :len(row)] = torch.tensor(row)
