@@ -61,16 +61,12 @@ def models(path: Path):
 
 
 def windows(ids: torch.Tensor, tok, size: int = WINDOW) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask) of every row of ``ids`` cut into consecutive windows of at most ``size`` tokens with the
-    tokenizer's specials (``tok.wrap``), padded (mask 0) to the longest window."""
-    body = size - tok.num_special_tokens
-    rows = [tok.wrap(row[s:s + body].tolist()) for row in ids for s in range(0, len(row), body)]
-    out = torch.full((len(rows), max(map(len, rows))), tok.pad_id, dtype=ids.dtype)
-    mask = torch.zeros_like(out)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(row)] = 1
-    return out, mask
+    """(ids, mask) of every row of ``ids`` cut into windows as the retrieval eval's windowed teacher cuts a
+    text, padded (mask 0) to the longest window."""
+    from yoso_serve.model.train.longdoc import pad
+    from yoso_serve.model.train.retrieval import cut_windows
+
+    return pad(cut_windows(ids.tolist(), tok, size)[1], tok.pad_id)
 
 
 def measure(yoso, softmax, batch: int, n: int, repeats: int, clock=time.perf_counter) -> dict[str, float]:

@@ -122,6 +122,19 @@ def batched(embed_ids: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], seq
     return torch.stack(out)
 
 
+def cut_windows(seqs: list[list[int]], tok, window: int) -> tuple[list[int], list[list[int]]]:
+    """(owner, windows): each content-id sequence cut into consecutive windows of at most ``window`` tokens
+    with the tokenizer's specials (``tok.wrap``), an empty sequence into one window; owner[i] is the index of
+    window i's sequence."""
+    size = window - tok.num_special_tokens
+    owner, out = [], []
+    for d, ids in enumerate(seqs):
+        for s in range(0, max(1, len(ids)), size):
+            owner.append(d)
+            out.append(tok.wrap(ids[s:s + size]))
+    return owner, out
+
+
 class Embedders:
     """The three ways to embed a document compared here, each from texts to (n, D)."""
 
@@ -182,12 +195,7 @@ class Embedders:
     def teacher_windows(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(windowed (n, D), windows (P, D), owner (P,)): :meth:`teacher_windowed` and the unit window
         embeddings it averages, each window also a vector of its own (chunks indexed one by one)."""
-        size = self.window - 2
-        owner, seqs = [], []
-        for d, ids in enumerate(self.tok.encode(texts, add_special_tokens=False)):
-            for s in range(0, max(1, len(ids)), size):
-                owner.append(d)
-                seqs.append(self.tok.wrap(ids[s:s + size]))
+        owner, seqs = cut_windows(self.tok.encode(texts, add_special_tokens=False), self.tok, self.window)
         vecs = F.normalize(self._run(self.teacher.embed, seqs, "teacher windows"), dim=-1)
         out = torch.zeros(len(texts), vecs.shape[1])
         owner_t = torch.tensor(owner, dtype=torch.long)

@@ -171,6 +171,16 @@ def test_best_part_scores_rank_a_document_by_its_best_part():
     assert retrieval.best_part_scores(q, single, torch.arange(3), 3) == retrieval.scores(q, single)
 
 
+def test_cut_windows_wraps_consecutive_pieces_and_keeps_empty_texts(tiny_yoso):
+    from yoso_serve.model import load_pretrained
+
+    tok = load_pretrained(tiny_yoso).tokenizer
+    owner, wins = retrieval.cut_windows([list(range(10, 17)), [], [20, 21]], tok, 5)  # 3 content ids per window
+    assert owner == [0, 0, 0, 1, 2]
+    assert wins == [tok.wrap([10, 11, 12]), tok.wrap([13, 14, 15]), tok.wrap([16]), tok.wrap([]), tok.wrap([20, 21])]
+    assert max(map(len, wins)) == 5
+
+
 def test_student_parts_are_the_segment_means_of_one_pass(tiny_yoso):
     from yoso_serve.model import load_pretrained
 
