@@ -72,6 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mine-tokens", type=int, default=256, help="tokens of each document's opening that are mined")
     p.add_argument("--w-short", type=float, default=1.0, help="weight of the short-pair InfoNCE")
     p.add_argument("--w-distill", type=float, default=1.0, help="weight of 1 − cos(student, teacher) on short texts")
+    p.add_argument("--w-segment", type=float, default=0.0,
+                   help="weight of span → segment InfoNCE: each span against the mean token states of the "
+                        "batch's --segment-tokens pieces, its positives the pieces of its own block (0 = off)")
+    p.add_argument("--segment-tokens", type=int, default=128,
+                   help="piece size of --w-segment: consecutive pieces of each crop, as `eval --segment` cuts them")
     p.add_argument("--save-fp16", action="store_true", help="store model/ in fp16 (the bundled format)")
     add_common_arguments(p, lr=2e-5, batch_size=4, epochs=1, dropout=0.0)
 
@@ -132,10 +137,12 @@ class StepSlots(Dataset):
         return {"slot": i}
 
 
-def draw_spans(rng: random.Random, corpus: DocCorpus, doc: int, lo: int, hi: int, k: int) -> list[list[int]]:
+def draw_spans(rng: random.Random, corpus: DocCorpus, doc: int, lo: int, hi: int, k: int,
+               where: list[tuple[int, int]] | None = None) -> list[list[int]]:
     """Up to ``k`` distinct spans among the blocks inside token range [lo, hi) of ``doc``, each block
     weighted by its token count (uniform over the document's length); a span is its block or, one time in
-    three, one of its sentences, cut to the span length."""
+    three, one of its sentences, cut to the span length. ``where``, if given, receives each span's block
+    as a token range relative to ``lo`` (the draws are the same with or without it)."""
     starts, pos = [], 0
     for ids in corpus.ids[doc]:
         starts.append(pos)
@@ -147,6 +154,8 @@ def draw_spans(rng: random.Random, corpus: DocCorpus, doc: int, lo: int, hi: int
         b = rng.choices(eligible, weights=[len(corpus.ids[doc][x]) for x in eligible])[0]
         eligible.remove(b)
         chosen.append(b)
+        if where is not None:
+            where.append((starts[b] - lo, starts[b] + len(corpus.ids[doc][b]) - lo))
     room = corpus.span_tokens - 2
     spans = []
     for b in chosen:
@@ -212,22 +221,54 @@ def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]
 class LongDocLoss(nn.Module):
     """Student forward and the three losses; holds the student's encoder, the temperature and the queue."""
 
-    def __init__(self, student: EncoderModel, *, temperature: float, queue: int, weights: tuple[float, float]) -> None:
+    def __init__(self, student: EncoderModel, *, temperature: float, queue: int, weights: tuple[float, float],
+                 w_segment: float = 0.0, segment: int = 128) -> None:
         super().__init__()
         self.student = student.encoder
         self.pooling = student.config.pooling
         self.w_short, self.w_distill = weights
+        if w_segment and student.config.pooling != "mean":
+            raise ValueError("--w-segment needs a mean-pooling student (segments are means of token states)")
+        self.w_segment, self.segment = w_segment, segment
         self.log_scale = nn.Parameter(torch.tensor(math.log(1.0 / temperature)))
         dim = student.config.hidden_size
         self.register_buffer("queue", torch.zeros(queue, dim))
         self.register_buffer("queue_keys", torch.full((queue,), -1, dtype=torch.long))
 
     def embed(self, ids: torch.Tensor, mask: torch.Tensor, hashes: int) -> torch.Tensor:
-        hidden = self.student(ids, mask, hashes=hashes)  # (B, N, D)
-        return F.normalize(pool(hidden.float(), mask, self.pooling), dim=-1)
+        return self.embed_states(ids, mask, hashes)[0]
+
+    def embed_states(self, ids: torch.Tensor, mask: torch.Tensor, hashes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.student(ids, mask, hashes=hashes).float()  # (B, N, D)
+        return F.normalize(pool(hidden, mask, self.pooling), dim=-1), hidden
+
+    def segment_loss(self, hidden: torch.Tensor, mask: torch.Tensor, spans: torch.Tensor, span_doc: torch.Tensor,
+                     span_lo: torch.Tensor, span_hi: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each span against every ``segment``-token piece of the batch's crops (pieces cut from position 0,
+        as ``eval --segment`` cuts them); its positives are the pieces of its own document that overlap its
+        block [span_lo, span_hi) (sequence positions). Returns the multi-positive InfoNCE and, without
+        gradient, how often a span's best piece is a positive."""
+        b, n, d = hidden.shape
+        size = self.segment
+        k = -(-n // size)
+        w = mask.to(hidden.dtype)[:, :, None]
+        sums = F.pad(hidden * w, (0, 0, 0, k * size - n)).view(b, k, size, d).sum(2)
+        counts = F.pad(w, (0, 0, 0, k * size - n)).view(b, k, size).sum(2)
+        pieces = F.normalize(sums / counts.clamp_min(1.0)[:, :, None], dim=-1).reshape(b * k, d)
+        start = torch.arange(k, device=hidden.device) * size
+        overlap = (start[None, :] < span_hi[:, None]) & (start[None, :] + size > span_lo[:, None])  # (S, k)
+        positive = torch.zeros(len(spans), b, k, dtype=torch.bool, device=hidden.device)
+        positive[torch.arange(len(spans), device=hidden.device), span_doc] = overlap
+        valid = (counts > 0).reshape(b * k)
+        positive = positive.reshape(len(spans), b * k) & valid
+        logits = (scale * spans @ pieces.T).masked_fill(~valid, -1e4)
+        loss = (logits.logsumexp(-1) - logits.masked_fill(~positive, -1e4).logsumexp(-1)).mean()
+        with torch.no_grad():
+            top1 = positive.gather(1, logits.argmax(-1, keepdim=True)).float().mean()
+        return loss, top1
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
-        docs = self.embed(batch["input_ids"], batch["attention_mask"], int(batch["doc_hashes"]))  # (B, D)
+        docs, hidden = self.embed_states(batch["input_ids"], batch["attention_mask"], int(batch["doc_hashes"]))
         short = self.embed(batch["short_ids"], batch["short_mask"], int(batch["query_hashes"]))  # (S + 2P, D)
         n_spans, n_pairs = len(batch["span_doc"]), int(batch["n_pairs"])
         spans, first, rest = short[:n_spans], short[n_spans:n_spans + n_pairs], short[n_spans + n_pairs:]
@@ -252,11 +293,17 @@ class LongDocLoss(nn.Module):
         loss_distill = (1.0 - (short * F.normalize(batch["t_short"], dim=-1)).sum(-1)).mean()
         self.push(docs.detach(), batch["doc_keys"])
         loss = loss_long + self.w_short * loss_short + self.w_distill * loss_distill
+        logs = {}
+        if self.w_segment and n_spans:
+            loss_segment, segment_top1 = self.segment_loss(hidden, batch["attention_mask"], spans, span_doc,
+                                                           batch["span_lo"], batch["span_hi"], scale)
+            loss = loss + self.w_segment * loss_segment
+            logs = {"segment_loss": float(loss_segment.detach()), "segment_top1": float(segment_top1)}
         with torch.no_grad():
             top1 = (spans @ docs.T).argmax(-1).eq(span_doc).float().mean() if n_spans else torch.zeros(())
         return loss, {"long_loss": float(loss_long.detach()), "short_loss": float(loss_short.detach()),
                       "distill_loss": float(loss_distill.detach()), "temperature": float(1.0 / scale.detach()),
-                      "span_top1": float(top1)}
+                      "span_top1": float(top1), **logs}
 
     @torch.no_grad()
     def push(self, docs: torch.Tensor, keys: torch.Tensor) -> None:
@@ -286,7 +333,7 @@ def read_documents(paths: list[Path]) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("spans_per_doc", "span_tokens", "short_pairs"):
+    for name in ("spans_per_doc", "span_tokens", "short_pairs", "segment_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.batch_size < 2 or args.queue < 0 or not args.temperature > 0:
@@ -298,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
                          f"with --neighbourhood; got {args.mined_neighbours}")
     if args.mine_tokens < 8:
         raise ValueError(f"--mine-tokens must be >= 8, got {args.mine_tokens}")
+    if args.w_segment < 0:
+        raise ValueError(f"--w-segment must be >= 0, got {args.w_segment}")
     if not args.temperature_lr_scale > 0:
         raise ValueError(f"--temperature-lr-scale must be > 0, got {args.temperature_lr_scale}")
     stages = parse_curriculum(args.curriculum)
@@ -321,7 +370,8 @@ def run(args: argparse.Namespace) -> int:
                              device=session.device) if args.mined_neighbours else None)
     prepare_model(args, student.encoder, student.config.num_hidden_layers)
     module = LongDocLoss(student, temperature=args.temperature, queue=args.queue,
-                         weights=(args.w_short, args.w_distill))
+                         weights=(args.w_short, args.w_distill), w_segment=args.w_segment,
+                         segment=args.segment_tokens)
     sources = list(weights)
     trainer: Trainer
 
@@ -329,12 +379,12 @@ def run(args: argparse.Namespace) -> int:
         rng = random.Random(args.seed * 1_000_003 + trainer.step * 997 + trainer.batch_in_epoch)
         length = crop_length(stages, trainer.step, trainer.total_steps) - 2
         source = rng.choices(sources, weights=[weights[s] for s in sources])[0]
-        docs, spans, span_doc, keys = [], [], [], []
+        docs, spans, span_doc, keys, where = [], [], [], [], []
         for d in step_documents(rng, corpus, source, args.batch_size, args.neighbourhood, mined):
             total = sum(len(ids) for ids in corpus.ids[d])
             lo = rng.randrange(total - length + 1) if total > length else 0
             flat = [t for ids in corpus.ids[d] for t in ids][lo:lo + length]
-            for span in draw_spans(rng, corpus, d, lo, lo + length, args.spans_per_doc):
+            for span in draw_spans(rng, corpus, d, lo, lo + length, args.spans_per_doc, where):
                 spans.append(span)
                 span_doc.append(len(docs))
             docs.append(tok.wrap(flat))
@@ -346,6 +396,9 @@ def run(args: argparse.Namespace) -> int:
         short_ids, short_mask = pad(short, tok.pad_id)
         return {"input_ids": ids, "attention_mask": mask, "short_ids": short_ids, "short_mask": short_mask,
                 "span_doc": torch.tensor(span_doc, dtype=torch.long), "n_pairs": torch.tensor(len(pairs)),
+                # each span's block as sequence positions of its crop (+ 1: the crop starts with [CLS])
+                "span_lo": torch.tensor([a + 1 for a, _ in where], dtype=torch.long),
+                "span_hi": torch.tensor([z + 1 for _, z in where], dtype=torch.long),
                 "doc_keys": torch.tensor([hash_key(k) for k in keys]),
                 "doc_hashes": torch.tensor(rng.choice(doc_hashes)), "query_hashes": torch.tensor(rng.choice(query_hashes)),
                 "fresh_seed": torch.tensor(rng.randrange(1, 1 << 30))}

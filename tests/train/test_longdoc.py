@@ -11,7 +11,7 @@ import torch
 
 from yoso_serve.model.train import longdocs, retrieval
 from yoso_serve.model.train.cli import main
-from yoso_serve.model.train.longdoc import (DocCorpus, LongDocLoss, crop_length, mine_neighbours,
+from yoso_serve.model.train.longdoc import (DocCorpus, LongDocLoss, crop_length, draw_spans, mine_neighbours,
                                             parse_curriculum, step_documents)
 from yoso_serve.model.train.runtime import read_events
 
@@ -245,6 +245,63 @@ def test_a_step_whose_crops_hold_no_span_trains_on_its_short_texts(tiny_yoso):
     assert (loss_fn.queue_keys >= 0).sum() == 2  # the step's documents still enter the queue
 
 
+def test_span_ranges_locate_each_span_block_in_the_crop_and_leave_the_draws_alone(tiny_yoso):
+    from yoso_serve.model import load_pretrained
+
+    corpus = DocCorpus(topic_docs(4), load_pretrained(tiny_yoso).tokenizer, 32)
+    flat = [t for ids in corpus.ids[1] for t in ids]
+    lo, hi = 20, 20 + 60
+    where: list[tuple[int, int]] = []
+    spans = draw_spans(random.Random(5), corpus, 1, lo, hi, 3, where)
+    assert spans == draw_spans(random.Random(5), corpus, 1, lo, hi, 3)
+    assert len(where) == len(spans) >= 1
+    blocks = [tuple(ids) for ids in corpus.ids[1]]
+    for a, z in where:
+        assert 0 <= a < z <= hi - lo and tuple(flat[lo + a:lo + z]) in blocks
+
+
+def test_segment_loss_takes_the_pieces_of_the_span_block_as_positives(tiny_yoso):
+    from yoso_serve.model import load_pretrained
+
+    student = load_pretrained(tiny_yoso)
+    loss_fn = LongDocLoss(student, temperature=0.05, queue=0, weights=(1.0, 0.5), w_segment=1.0, segment=4)
+    d = student.config.hidden_size
+    basis = torch.eye(d)
+    # two documents of 10 tokens (the second padded after 6): pieces [0,4) [4,8) [8,10) and [0,4) [4,6);
+    # each piece's tokens point along their own axis, so a span along an axis finds exactly that piece
+    hidden = torch.zeros(2, 10, d)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 6:] = 0
+    for b in range(2):
+        for t in range(10):
+            hidden[b, t] = basis[b * 3 + t // 4]
+    scale = torch.tensor(20.0)
+    # span 0: block [5, 9) of doc 0 overlaps pieces 1 and 2; it points at piece 2 → a positive
+    # span 1: block [0, 3) of doc 1 is piece 0 of doc 1 (axis 3); it points at doc 0's piece 0 → wrong
+    spans = torch.stack([basis[2], basis[0]])
+    loss, top1 = loss_fn.segment_loss(hidden, mask, spans, torch.tensor([0, 1]), torch.tensor([5, 0]),
+                                      torch.tensor([9, 3]), scale)
+    assert top1 == 0.5
+    right = torch.stack([basis[1], basis[3]])
+    good, top1 = loss_fn.segment_loss(hidden, mask, right, torch.tensor([0, 1]), torch.tensor([5, 0]),
+                                      torch.tensor([9, 3]), scale)
+    assert top1 == 1.0 and good < 0.01 < loss
+    # the padded third piece of doc 1 is never a candidate: a span at its (empty) place is no positive
+    none, _ = loss_fn.segment_loss(hidden, mask, basis[3:4], torch.tensor([1]), torch.tensor([8]),
+                                   torch.tensor([10]), scale)
+    assert none > 100
+
+
+def test_longdoc_trains_its_segments_with_w_segment(tiny_bert, tiny_yoso, docs_file, tmp_path):
+    out = tmp_path / "seg"
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "24", "--w-segment", "1",
+                             "--segment-tokens", "16")) == 0
+    rows = read_events(out, "train")
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert {"segment_loss", "segment_top1"} <= set(rows[0])
+    assert mean(rows[-6:], "segment_loss") < mean(rows[:6], "segment_loss")
+
+
 def test_longdoc_resume_reproduces_an_uninterrupted_run(tiny_bert, tiny_yoso, docs_file, tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, whole, "--max-steps", "8")) == 0
@@ -337,6 +394,8 @@ def test_longdoc_refuses_bad_configuration(tiny_bert, tiny_yoso, docs_file, tmp_
     assert "--neighbourhood must be 0 or >= --batch-size (4), got 3" in capsys.readouterr().err
     assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "d", "--temperature-lr-scale", "0")) == 2
     assert "--temperature-lr-scale must be > 0" in capsys.readouterr().err
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "e", "--w-segment", "-1")) == 2
+    assert "--w-segment must be >= 0" in capsys.readouterr().err
 
 
 def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, write_jsonl, capsys):
