@@ -37,7 +37,7 @@ from yoso_serve.model import EncoderModel, load_pretrained
 
 from .common import add_common_arguments, prepare_model, start, train_options
 from .distill import fit_student, parse_hashes, set_hash_seeds
-from .teacher import BertTeacher, pool
+from .teacher import BertTeacher, pool, segment_sums
 from .trainer import Trainer
 
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
@@ -248,15 +248,11 @@ class LongDocLoss(nn.Module):
         as ``eval --segment`` cuts them); its positives are the pieces of its own document that overlap its
         block [span_lo, span_hi) (sequence positions). Returns the multi-positive InfoNCE and, without
         gradient, how often a span's best piece is a positive."""
-        b, n, d = hidden.shape
-        size = self.segment
-        k = -(-n // size)
-        w = mask.to(hidden.dtype)[:, :, None]
-        sums = F.pad(hidden * w, (0, 0, 0, k * size - n)).view(b, k, size, d).sum(2)
-        counts = F.pad(w, (0, 0, 0, k * size - n)).view(b, k, size).sum(2)
+        sums, counts = segment_sums(hidden, mask, self.segment)
+        b, k, d = sums.shape
         pieces = F.normalize(sums / counts.clamp_min(1.0)[:, :, None], dim=-1).reshape(b * k, d)
-        start = torch.arange(k, device=hidden.device) * size
-        overlap = (start[None, :] < span_hi[:, None]) & (start[None, :] + size > span_lo[:, None])  # (S, k)
+        start = torch.arange(k, device=hidden.device) * self.segment
+        overlap = (start[None, :] < span_hi[:, None]) & (start[None, :] + self.segment > span_lo[:, None])  # (S, k)
         positive = torch.zeros(len(spans), b, k, dtype=torch.bool, device=hidden.device)
         positive[torch.arange(len(spans), device=hidden.device), span_doc] = overlap
         valid = (counts > 0).reshape(b * k)

@@ -28,7 +28,7 @@ from yoso_serve.model import EncoderModel
 from yoso_serve.model.hashes import AUTO_EXACT_BELOW, resolve_hashes
 
 from .longdoc import pad
-from .teacher import BertTeacher
+from .teacher import BertTeacher, segment_sums
 
 QUERY_WORDS = 20  # a query paragraph has at least this many words
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
@@ -176,11 +176,9 @@ class Embedders:
         if self.student.config.pooling != "mean":
             raise ValueError("segments of the one-pass student need mean pooling")
         hidden = self.student.last_hidden(ids, mask, hashes=count)
-        w = mask.to(hidden.dtype)[:, :, None]
-        b, n, d = hidden.shape
-        pad = k * segment - n
-        hs = F.pad(hidden * w, (0, 0, 0, pad)).view(b, k, segment, d).sum(2)  # per-segment sums
-        ws = F.pad(w, (0, 0, 0, pad)).view(b, k, segment, 1).sum(2)
+        hs, ws = segment_sums(hidden, mask, segment)
+        hs = F.pad(hs, (0, 0, 0, k - hs.shape[1]))  # the batch may be shorter than the longest text
+        ws = F.pad(ws, (0, k - ws.shape[1]))[:, :, None]
         pooled = hs.sum(1) / ws.sum(1).clamp_min(1.0)  # the mean over all tokens, from the same sums
         return torch.cat([pooled[:, None], hs / ws.clamp_min(1.0)], dim=1)
 
