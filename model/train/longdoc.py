@@ -75,8 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--w-segment", type=float, default=0.0,
                    help="weight of span → segment InfoNCE: each span against the mean token states of the "
                         "batch's --segment-tokens pieces, its positives the pieces of its own block (0 = off)")
-    p.add_argument("--segment-tokens", type=int, default=128,
-                   help="piece size of --w-segment: consecutive pieces of each crop, as `eval --segment` cuts them")
+    p.add_argument("--segment-tokens", default="128",
+                   help="piece sizes of --w-segment, one drawn per step (e.g. 64,128): consecutive pieces of each "
+                        "crop, as `eval --segment` cuts them")
     p.add_argument("--save-fp16", action="store_true", help="store model/ in fp16 (the bundled format)")
     add_common_arguments(p, lr=2e-5, batch_size=4, epochs=1, dropout=0.0)
 
@@ -243,16 +244,18 @@ class LongDocLoss(nn.Module):
         return F.normalize(pool(hidden, mask, self.pooling), dim=-1), hidden
 
     def segment_loss(self, hidden: torch.Tensor, mask: torch.Tensor, spans: torch.Tensor, span_doc: torch.Tensor,
-                     span_lo: torch.Tensor, span_hi: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each span against every ``segment``-token piece of the batch's crops (pieces cut from position 0,
+                     span_lo: torch.Tensor, span_hi: torch.Tensor, scale: torch.Tensor,
+                     size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each span against every ``size``-token piece (default ``segment``) of the batch's crops (pieces cut from position 0,
         as ``eval --segment`` cuts them); its positives are the pieces of its own document that overlap its
         block [span_lo, span_hi) (sequence positions). Returns the multi-positive InfoNCE and, without
         gradient, how often a span's best piece is a positive."""
-        sums, counts = segment_sums(hidden, mask, self.segment)
+        size = size or self.segment
+        sums, counts = segment_sums(hidden, mask, size)
         b, k, d = sums.shape
         pieces = F.normalize(sums / counts.clamp_min(1.0)[:, :, None], dim=-1).reshape(b * k, d)
-        start = torch.arange(k, device=hidden.device) * self.segment
-        overlap = (start[None, :] < span_hi[:, None]) & (start[None, :] + self.segment > span_lo[:, None])  # (S, k)
+        start = torch.arange(k, device=hidden.device) * size
+        overlap = (start[None, :] < span_hi[:, None]) & (start[None, :] + size > span_lo[:, None])  # (S, k)
         positive = torch.zeros(len(spans), b, k, dtype=torch.bool, device=hidden.device)
         positive[torch.arange(len(spans), device=hidden.device), span_doc] = overlap
         valid = (counts > 0).reshape(b * k)
@@ -292,7 +295,8 @@ class LongDocLoss(nn.Module):
         logs = {}
         if self.w_segment and n_spans:
             loss_segment, segment_top1 = self.segment_loss(hidden, batch["attention_mask"], spans, span_doc,
-                                                           batch["span_lo"], batch["span_hi"], scale)
+                                                           batch["span_lo"], batch["span_hi"], scale,
+                                                           int(batch.get("segment_tokens", self.segment)))
             loss = loss + self.w_segment * loss_segment
             logs = {"segment_loss": float(loss_segment.detach()), "segment_top1": float(segment_top1)}
         with torch.no_grad():
@@ -329,7 +333,7 @@ def read_documents(paths: list[Path]) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("spans_per_doc", "span_tokens", "short_pairs", "segment_tokens"):
+    for name in ("spans_per_doc", "span_tokens", "short_pairs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.batch_size < 2 or args.queue < 0 or not args.temperature > 0:
@@ -343,6 +347,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--mine-tokens must be >= 8, got {args.mine_tokens}")
     if args.w_segment < 0:
         raise ValueError(f"--w-segment must be >= 0, got {args.w_segment}")
+    try:
+        segment_sizes = [int(x) for x in args.segment_tokens.split(",")]
+    except ValueError:
+        segment_sizes = []
+    if not segment_sizes or min(segment_sizes) < 1:
+        raise ValueError(f"--segment-tokens must be piece sizes >= 1 separated by commas, got {args.segment_tokens!r}")
     if not args.temperature_lr_scale > 0:
         raise ValueError(f"--temperature-lr-scale must be > 0, got {args.temperature_lr_scale}")
     stages = parse_curriculum(args.curriculum)
@@ -367,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
     prepare_model(args, student.encoder, student.config.num_hidden_layers)
     module = LongDocLoss(student, temperature=args.temperature, queue=args.queue,
                          weights=(args.w_short, args.w_distill), w_segment=args.w_segment,
-                         segment=args.segment_tokens)
+                         segment=segment_sizes[0])
     sources = list(weights)
     trainer: Trainer
 
@@ -390,14 +400,17 @@ def run(args: argparse.Namespace) -> int:
         short = spans + tok.encode([a for a, _ in pairs], max_length=room) + tok.encode([b for _, b in pairs], max_length=room)
         ids, mask = pad(docs, tok.pad_id)
         short_ids, short_mask = pad(short, tok.pad_id)
-        return {"input_ids": ids, "attention_mask": mask, "short_ids": short_ids, "short_mask": short_mask,
-                "span_doc": torch.tensor(span_doc, dtype=torch.long), "n_pairs": torch.tensor(len(pairs)),
-                # each span's block as sequence positions of its crop (+ 1: the crop starts with [CLS])
-                "span_lo": torch.tensor([a + 1 for a, _ in where], dtype=torch.long),
-                "span_hi": torch.tensor([z + 1 for _, z in where], dtype=torch.long),
-                "doc_keys": torch.tensor([hash_key(k) for k in keys]),
-                "doc_hashes": torch.tensor(rng.choice(doc_hashes)), "query_hashes": torch.tensor(rng.choice(query_hashes)),
-                "fresh_seed": torch.tensor(rng.randrange(1, 1 << 30))}
+        batch = {"input_ids": ids, "attention_mask": mask, "short_ids": short_ids, "short_mask": short_mask,
+                 "span_doc": torch.tensor(span_doc, dtype=torch.long), "n_pairs": torch.tensor(len(pairs)),
+                 # each span's block as sequence positions of its crop (+ 1: the crop starts with [CLS])
+                 "span_lo": torch.tensor([a + 1 for a, _ in where], dtype=torch.long),
+                 "span_hi": torch.tensor([z + 1 for _, z in where], dtype=torch.long),
+                 "doc_keys": torch.tensor([hash_key(k) for k in keys]),
+                 "doc_hashes": torch.tensor(rng.choice(doc_hashes)), "query_hashes": torch.tensor(rng.choice(query_hashes)),
+                 "fresh_seed": torch.tensor(rng.randrange(1, 1 << 30))}
+        if args.w_segment and len(segment_sizes) > 1:  # drawn last: the draws above stay those of one size
+            batch["segment_tokens"] = torch.tensor(rng.choice(segment_sizes))
+        return batch
 
     def prepare(batch: dict) -> dict:
         batch = {k: v.to(session.device) for k, v in batch.items()}

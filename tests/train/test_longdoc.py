@@ -295,7 +295,7 @@ def test_segment_loss_takes_the_pieces_of_the_span_block_as_positives(tiny_yoso)
 def test_longdoc_trains_its_segments_with_w_segment(tiny_bert, tiny_yoso, docs_file, tmp_path):
     out = tmp_path / "seg"
     assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "24", "--w-segment", "1",
-                             "--segment-tokens", "16")) == 0
+                             "--segment-tokens", "16,32")) == 0
     rows = read_events(out, "train")
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
     assert {"segment_loss", "segment_top1"} <= set(rows[0])
@@ -396,6 +396,9 @@ def test_longdoc_refuses_bad_configuration(tiny_bert, tiny_yoso, docs_file, tmp_
     assert "--temperature-lr-scale must be > 0" in capsys.readouterr().err
     assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "e", "--w-segment", "-1")) == 2
     assert "--w-segment must be >= 0" in capsys.readouterr().err
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "f", "--w-segment", "1",
+                             "--segment-tokens", "64,x")) == 2
+    assert "--segment-tokens must be piece sizes >= 1" in capsys.readouterr().err
 
 
 def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, write_jsonl, capsys):
