@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retrieval-docs", type=int, default=300, help="documents in the deep-retrieval corpus")
     p.add_argument("--query-draws", type=int, default=1,
                    help="queries per document in deep retrieval, draw d as --seed + d would draw it (pooled)")
+    p.add_argument("--query-unit", choices=("paragraph", "sentence"), default="paragraph",
+                   help="deep-retrieval query: a late paragraph, or one sentence of one (context matters more)")
     p.add_argument("--retrieval-tokens", default="1200,4000", help="LO,HI token range of those documents")
     p.add_argument("--retrieval-hashes", default="auto",
                    help="student hash count in retrieval: 'auto' (the server's default: exact below the measured "
@@ -173,7 +175,7 @@ def retrieval_results(args: argparse.Namespace, model: EncoderModel, teacher: Be
         raise ValueError(f"--segment must be >= 0 (0 = no multi-vector rows), got {segment}")
     rows = read_documents(args.retrieval_data)
     docs, queries = retrieval.deep_pairs(rows, lo=lo, hi=hi, max_docs=args.retrieval_docs, seed=args.seed,
-                                         draws=args.query_draws)
+                                         draws=args.query_draws, unit=args.query_unit)
     if len(docs) < 2:
         raise ValueError(f"--retrieval-data: {len(docs)} documents of {lo}..{hi} tokens with a late paragraph; need 2")
     firsts, rests = retrieval.short_pairs(rows, max_pairs=args.short_pairs, seed=args.seed)

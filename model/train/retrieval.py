@@ -31,6 +31,7 @@ from .longdoc import pad
 from .teacher import BertTeacher, segment_sums
 
 QUERY_WORDS = 20  # a query paragraph has at least this many words
+SENTENCE_WORDS = 8  # a query sentence (``unit="sentence"``) has at least this many
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
 
 
@@ -39,11 +40,15 @@ def _rng(seed: int, key: str) -> random.Random:
 
 
 def deep_pairs(rows: list[dict], *, lo: int, hi: int, max_docs: int, seed: int,
-               draws: int = 1) -> tuple[list[str], list[str]]:
+               draws: int = 1, unit: str = "paragraph") -> tuple[list[str], list[str]]:
     """(documents, queries): documents of ``lo``..``hi`` tokens that have a paragraph of at least
-    QUERY_WORDS words starting in their second half; the query is one such paragraph, drawn per document.
+    QUERY_WORDS words starting in their second half; the query is one such paragraph, drawn per document,
+    or with ``unit="sentence"`` one sentence of at least SENTENCE_WORDS words of such paragraphs (the
+    paragraph itself where none has one; the same documents either way).
     With ``draws`` > 1 each document is queried that many times, draw d as ``seed + d`` draws it (so
     pooled draws score the mean of the separate seeds): query j belongs to document j % len(documents)."""
+    if unit not in ("paragraph", "sentence"):
+        raise ValueError(f"query unit must be 'paragraph' or 'sentence', got {unit!r}")
     docs, late_of = [], []
     for row in rows:
         if not lo <= row.get("tokens", 0) <= hi:
@@ -54,6 +59,8 @@ def deep_pairs(rows: list[dict], *, lo: int, hi: int, max_docs: int, seed: int,
             if pos >= half and n >= QUERY_WORDS:
                 late.append(block)
             pos += n
+        if late and unit == "sentence":
+            late = [x for block in late for x in _SENTENCE.split(block) if len(x.split()) >= SENTENCE_WORDS] or late
         if late:
             docs.append("\n".join(row["blocks"]))
             late_of.append((row["doc"], late))

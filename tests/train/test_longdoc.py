@@ -209,6 +209,22 @@ def test_deep_pairs_take_a_late_paragraph_and_are_seeded():
     assert (firsts, rests) == retrieval.short_pairs(topic_docs(3), max_pairs=2, seed=0)
 
 
+def test_sentence_queries_come_from_late_paragraphs_of_the_same_documents():
+    late = "Late one has words enough to count here. Tiny one. Another sentence with quite enough words in it, " \
+           "and then some more words."
+    row = {"doc": "d#0", "tokens": 2000, "blocks": ["early " + " ".join(["x"] * 25) + ". Early sentence of eight words here.",
+                                                    "short", late]}
+    bare = {"doc": "e#0", "tokens": 2000, "blocks": ["e " * 25, "f " * 25]}  # no sentence of 8+ words
+    para_docs, _ = retrieval.deep_pairs([row, bare], lo=1200, hi=4000, max_docs=10, seed=0)
+    docs, queries = retrieval.deep_pairs([row, bare], lo=1200, hi=4000, max_docs=10, seed=0, draws=4, unit="sentence")
+    assert docs == para_docs and len(queries) == 8
+    assert set(queries[0::2]) <= {"Late one has words enough to count here.",
+                                  "Another sentence with quite enough words in it, and then some more words."}
+    assert set(queries[1::2]) == {"f " * 25}  # falls back to the paragraph
+    with pytest.raises(ValueError, match="query unit"):
+        retrieval.deep_pairs([row], lo=0, hi=4000, max_docs=1, seed=0, unit="word")
+
+
 def test_longdoc_learns_to_find_spans_and_writes_a_servable_model(tiny_bert, tiny_yoso, docs_file, tmp_path):
     out = tmp_path / "run"
     assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "24")) == 0
