@@ -245,12 +245,11 @@ class LongDocLoss(nn.Module):
 
     def segment_loss(self, hidden: torch.Tensor, mask: torch.Tensor, spans: torch.Tensor, span_doc: torch.Tensor,
                      span_lo: torch.Tensor, span_hi: torch.Tensor, scale: torch.Tensor,
-                     size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each span against every ``size``-token piece (default ``segment``) of the batch's crops (pieces cut from position 0,
+                     size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each span against every ``size``-token piece of the batch's crops (pieces cut from position 0,
         as ``eval --segment`` cuts them); its positives are the pieces of its own document that overlap its
         block [span_lo, span_hi) (sequence positions). Returns the multi-positive InfoNCE and, without
         gradient, how often a span's best piece is a positive."""
-        size = size or self.segment
         sums, counts = segment_sums(hidden, mask, size)
         b, k, d = sums.shape
         pieces = F.normalize(sums / counts.clamp_min(1.0)[:, :, None], dim=-1).reshape(b * k, d)

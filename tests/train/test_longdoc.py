@@ -280,7 +280,7 @@ def test_segment_loss_takes_the_pieces_of_the_span_block_as_positives(tiny_yoso)
     from yoso_serve.model import load_pretrained
 
     student = load_pretrained(tiny_yoso)
-    loss_fn = LongDocLoss(student, temperature=0.05, queue=0, weights=(1.0, 0.5), w_segment=1.0, segment=4)
+    loss_fn = LongDocLoss(student, temperature=0.05, queue=0, weights=(1.0, 0.5), w_segment=1.0)
     d = student.config.hidden_size
     basis = torch.eye(d)
     # two documents of 10 tokens (the second padded after 6): pieces [0,4) [4,8) [8,10) and [0,4) [4,6);
@@ -296,15 +296,15 @@ def test_segment_loss_takes_the_pieces_of_the_span_block_as_positives(tiny_yoso)
     # span 1: block [0, 3) of doc 1 is piece 0 of doc 1 (axis 3); it points at doc 0's piece 0 → wrong
     spans = torch.stack([basis[2], basis[0]])
     loss, top1 = loss_fn.segment_loss(hidden, mask, spans, torch.tensor([0, 1]), torch.tensor([5, 0]),
-                                      torch.tensor([9, 3]), scale)
+                                      torch.tensor([9, 3]), scale, 4)
     assert top1 == 0.5
     right = torch.stack([basis[1], basis[3]])
     good, top1 = loss_fn.segment_loss(hidden, mask, right, torch.tensor([0, 1]), torch.tensor([5, 0]),
-                                      torch.tensor([9, 3]), scale)
+                                      torch.tensor([9, 3]), scale, 4)
     assert top1 == 1.0 and good < 0.01 < loss
     # the padded third piece of doc 1 is never a candidate: a span at its (empty) place is no positive
     none, _ = loss_fn.segment_loss(hidden, mask, basis[3:4], torch.tensor([1]), torch.tensor([8]),
-                                   torch.tensor([10]), scale)
+                                   torch.tensor([10]), scale, 4)
     assert none > 100
 
 
