@@ -40,7 +40,8 @@ from .distill import fit_student, parse_hashes, set_hash_seeds
 from .teacher import BertTeacher, pool, segment_sums
 from .trainer import Trainer
 
-_SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
+# where one sentence ends and the next begins (the retrieval eval cuts its sentences here too)
+SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,7 +116,7 @@ class DocCorpus:
         pairs = []
         for blocks in self.blocks:
             for text in blocks:
-                parts = _SENTENCE.split(text, maxsplit=1)
+                parts = SENTENCE_BREAK.split(text, maxsplit=1)
                 if len(parts) == 2 and len(parts[0].split()) >= 5 and len(parts[1].split()) >= 12:
                     pairs.append((parts[0], parts[1]))
         self.pairs = pairs
@@ -161,7 +162,7 @@ def draw_spans(rng: random.Random, corpus: DocCorpus, doc: int, lo: int, hi: int
     spans = []
     for b in chosen:
         ids = corpus.ids[doc][b]
-        sentences = [s for s in _SENTENCE.split(corpus.blocks[doc][b]) if len(s.split()) >= 6]
+        sentences = [s for s in SENTENCE_BREAK.split(corpus.blocks[doc][b]) if len(s.split()) >= 6]
         if len(sentences) > 1 and rng.random() < 1 / 3:
             ids = corpus.tokenizer.encode([rng.choice(sentences)], add_special_tokens=False)[0]
         if len(ids) > room:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import re
 import time
 from typing import Callable
 
@@ -27,12 +26,11 @@ from tqdm.auto import tqdm
 from yoso_serve.model import EncoderModel
 from yoso_serve.model.hashes import AUTO_EXACT_BELOW, resolve_hashes
 
-from .longdoc import pad
+from .longdoc import SENTENCE_BREAK, pad
 from .teacher import BertTeacher, segment_sums
 
 QUERY_WORDS = 20  # a query paragraph has at least this many words
 SENTENCE_WORDS = 8  # a query sentence (``unit="sentence"``) has at least this many
-_SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
 
 
 def _rng(seed: int, key: str) -> random.Random:
@@ -60,7 +58,7 @@ def deep_pairs(rows: list[dict], *, lo: int, hi: int, max_docs: int, seed: int,
                 late.append(block)
             pos += n
         if late and unit == "sentence":
-            late = [x for block in late for x in _SENTENCE.split(block) if len(x.split()) >= SENTENCE_WORDS] or late
+            late = [x for block in late for x in SENTENCE_BREAK.split(block) if len(x.split()) >= SENTENCE_WORDS] or late
         if late:
             docs.append("\n".join(row["blocks"]))
             late_of.append((row["doc"], late))
@@ -74,7 +72,7 @@ def short_pairs(rows: list[dict], *, max_pairs: int, seed: int) -> tuple[list[st
     """(first sentences, rests) of paragraphs with a first sentence of ≥ 5 words and a rest of ≥ 12."""
     firsts, rests = [], []
     for row in rows:
-        options = [parts for parts in (_SENTENCE.split(b, maxsplit=1) for b in row["blocks"])
+        options = [parts for parts in (SENTENCE_BREAK.split(b, maxsplit=1) for b in row["blocks"])
                    if len(parts) == 2 and len(parts[0].split()) >= 5 and len(parts[1].split()) >= 12]
         if options:
             first, rest = _rng(seed, row["doc"]).choice(options)
