@@ -294,11 +294,12 @@ class LongDocLoss(nn.Module):
         loss = loss_long + self.w_short * loss_short + self.w_distill * loss_distill
         logs = {}
         if self.w_segment and n_spans:
+            size = int(batch.get("segment_tokens", self.segment))
             loss_segment, segment_top1 = self.segment_loss(hidden, batch["attention_mask"], spans, span_doc,
-                                                           batch["span_lo"], batch["span_hi"], scale,
-                                                           int(batch.get("segment_tokens", self.segment)))
+                                                           batch["span_lo"], batch["span_hi"], scale, size)
             loss = loss + self.w_segment * loss_segment
-            logs = {"segment_loss": float(loss_segment.detach()), "segment_top1": float(segment_top1)}
+            logs = {"segment_loss": float(loss_segment.detach()), "segment_top1": float(segment_top1),
+                    "segment_tokens": size}
         with torch.no_grad():
             top1 = (spans @ docs.T).argmax(-1).eq(span_doc).float().mean() if n_spans else torch.zeros(())
         return loss, {"long_loss": float(loss_long.detach()), "short_loss": float(loss_short.detach()),

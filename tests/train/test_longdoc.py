@@ -315,6 +315,7 @@ def test_longdoc_trains_its_segments_with_w_segment(tiny_bert, tiny_yoso, docs_f
     rows = read_events(out, "train")
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
     assert {"segment_loss", "segment_top1"} <= set(rows[0])
+    assert {r["segment_tokens"] for r in rows} == {16, 32}  # one of the sizes drawn per step, both used
     assert mean(rows[-6:], "segment_loss") < mean(rows[:6], "segment_loss")
 
 
