@@ -20,10 +20,17 @@ Stages, each resumable and each writing under ``--work`` (default ``runs/default
     longdoc4  stage five continued on the wider corpus with a quarter of the distillation weight
     longdoc-data-unseen  seven more doc packages no stage trains on (``UNSEEN_SOURCES``), into
               longdoc-data-unseen/transfer_docs.jsonl: a second source kept out
-    serve-settings  the final model's serving settings into its config.json (int8 hashing), so that every
-              evaluation below measures what is served
+    serve-settings  the serving settings (int8 hashing) into the config.json of stage six's model and of the
+              final one: the piece stages train with the served hashing, and every evaluation below
+              measures what is served
+    longdoc5  stage six continued with a third loss on the pieces of the one pass: span → the mean token
+              states of the crop's consecutive 128-token pieces (``--w-segment``), so that a document indexed
+              piece by piece beats chunks of the same size encoded alone
+    longdoc6  stage seven continued with pieces of 64 or 128 tokens (one size drawn per step)
+    longdoc7  stage eight continued as it (another seed)
     eval      student and the plain converted model against the teacher on held-out text; deep and
-              short retrieval on held-out documents and on the sources kept out
+              short retrieval on held-out documents and on the sources kept out, one vector per
+              document and 128-token pieces
     finetune  topic classification (documentation area of a section): student and teacher
     bundle    fp16 copy + MODEL_CARD.md (+ training.json) into model/bundled/, only if the final
               model's deep retrieval on the source kept out beats every earlier stage's
@@ -167,7 +174,7 @@ def finished(run: Path) -> bool:
 
 
 def final_model(work: Path) -> Path:
-    return work / "longdoc4" / "model"
+    return work / "longdoc7" / "model"
 
 
 def refine_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> list[str]:
@@ -201,12 +208,13 @@ def longdoc_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> lis
 
 
 def _harder_argv(work: Path, teacher: Path, minutes: float, resume: bool, *, start: str, stage: str, steps: int,
-                 seed: int, neighbourhood: int = 0, data: str = "longdoc-data", w_distill: str = "2") -> list[str]:
-    """The ``yoso-train longdoc`` command of stages four to six: the model of stage ``start`` trained on
+                 seed: int, neighbourhood: int = 0, data: str = "longdoc-data", w_distill: str = "2",
+                 segments: str = "") -> list[str]:
+    """The ``yoso-train longdoc`` command of stages four to nine: the model of stage ``start`` trained on
     whole 4096-token crops of the documents in ``data`` with a 1024-document queue, a starting temperature
     of 0.03, 32 short pairs and distillation weight ``w_distill``; with ``neighbourhood``, a step's
     documents come from that many consecutive documents of one source and the temperature learns at 250×
-    the lr."""
+    the lr; with ``segments`` (piece sizes, e.g. ``64,128``), the span → piece loss at weight 1."""
     near = (["--neighbourhood", str(neighbourhood), "--temperature", "0.03", "--temperature-lr-scale", "250"]
             if neighbourhood else ["--temperature", "0.03"])
     argv = ["longdoc", "--model", str(work / start / "model"), "--teacher", str(teacher),
@@ -215,6 +223,8 @@ def _harder_argv(work: Path, teacher: Path, minutes: float, resume: bool, *, sta
             "--w-distill", w_distill, "--curriculum", "4096:1", "--doc-hashes", "32", "--query-hashes", "0",
             "--lr", "2e-5", "--warmup", "0.02", "--max-steps", str(steps), "--save-every", "10",
             "--log-every", "1", "--seed", str(seed), "--save-fp16"]
+    if segments:
+        argv += ["--w-segment", "1", "--segment-tokens", segments]
     if minutes:
         argv += ["--max-minutes", str(minutes)]
     return argv + (["--resume"] if resume else [])
@@ -259,10 +269,47 @@ def longdoc4_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> li
                         seed=7, neighbourhood=12, data="longdoc-data-wide", w_distill="0.5")
 
 
+SEGMENT_STEPS = 100  # each of stages seven to nine: ≈ 25–37 min on 2 CPU cores at 4096 tokens
+
+
+def _segment_argv(work: Path, teacher: Path, minutes: float, resume: bool, *, start: str, stage: str, seed: int,
+                  segments: str) -> list[str]:
+    """Stages seven to nine: stage six's recipe (neighbourhood 12, the wider corpus, distillation weight
+    0.5) plus the span → piece loss, from the model of stage ``start``."""
+    return _harder_argv(work, teacher, minutes, resume, start=start, stage=stage, steps=SEGMENT_STEPS, seed=seed,
+                        neighbourhood=12, data="longdoc-data-wide", w_distill="0.5", segments=segments)
+
+
+def longdoc5_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> list[str]:
+    """Stage seven: stage six's model with a third loss on its pieces. Indexed piece by piece, stage six's
+    one pass lost to the teacher's windows of the same size (0.866 vs 0.887 recall@1 at 128 tokens on the
+    source kept out): no loss had scored anything but the mean of all token states. Each span now also
+    finds the 128-token pieces of its own block among the batch's pieces (docs/training.md, item 8)."""
+    return _segment_argv(work, teacher, minutes, resume, start="longdoc4", stage="longdoc5", seed=11,
+                         segments="128")
+
+
+def longdoc6_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> list[str]:
+    """Stage eight: stage seven continued with pieces of 64 or 128 tokens, one size drawn per step."""
+    return _segment_argv(work, teacher, minutes, resume, start="longdoc5", stage="longdoc6", seed=12,
+                         segments="64,128")
+
+
+def longdoc7_argv(work: Path, teacher: Path, minutes: float, resume: bool) -> list[str]:
+    """Stage nine: stage eight continued as stage eight with another seed."""
+    return _segment_argv(work, teacher, minutes, resume, start="longdoc6", stage="longdoc7", seed=13,
+                         segments="64,128")
+
+
 # Settings the final model is evaluated and served with, written into its config.json after training.
 # hash_int8: LSH codes from int8 rows and planes, ~3× faster hashing on AVX-512 VNNI CPUs; deep retrieval on
 # the source kept out moved within noise with it (docs/benchmarks.md, "Int8 hashing").
 SERVED_SETTINGS = {"hash_int8": True}
+
+
+# The model the piece stages start from: serve-settings writes into it too, so that they train (and save)
+# with the served hashing, as they were first run.
+SERVED_FROM = "longdoc4"
 
 
 def apply_served_settings(model_dir: Path) -> dict:
@@ -276,7 +323,8 @@ def apply_served_settings(model_dir: Path) -> dict:
 
 # Training stages in pipeline order → the builder of each one's command.
 STAGES = {"distill": distill_argv, "refine": refine_argv, "longdoc": longdoc_argv, "longdoc2": longdoc2_argv,
-          "longdoc3": longdoc3_argv, "longdoc4": longdoc4_argv}
+          "longdoc3": longdoc3_argv, "longdoc4": longdoc4_argv, "longdoc5": longdoc5_argv,
+          "longdoc6": longdoc6_argv, "longdoc7": longdoc7_argv}
 
 
 # Deep-retrieval queries per document, pooled: one draw of 300 queries has a standard error of about 0.027
@@ -291,6 +339,16 @@ def retrieval_argv(work: Path, model: Path, teacher: Path, name: str, docs: str,
     return ["eval", "--model", str(model), "--teacher", str(teacher), "--retrieval-data",
             str(work / corpus / f"{docs}_docs.jsonl"), "--out", str(work / name), "--seed", "0",
             "--query-draws", str(QUERY_DRAWS)]
+
+
+PIECE_TOKENS = 128  # the piece size the piece evaluations index (the teacher's windows the same size)
+
+
+def pieces_argv(work: Path, model: Path, teacher: Path, name: str, corpus: str) -> list[str]:
+    """Deep retrieval as :func:`retrieval_argv` (the same queries), each document also indexed as its
+    PIECE_TOKENS-token pieces: the one pass's pieces against the teacher's windows of that size."""
+    return retrieval_argv(work, model, teacher, name, "transfer", corpus) + [
+        "--window", str(PIECE_TOKENS), "--segment", str(PIECE_TOKENS)]
 
 
 def eval_argv(work: Path, model: Path, teacher: Path, name: str) -> list[str]:
@@ -318,7 +376,8 @@ CORPORA = {"longdoc-data": {"train_sources": TRAIN_SOURCES}, "longdoc-data-wide"
            "longdoc-data-unseen": {"train_sources": (), "transfer_sources": UNSEEN_SOURCES}}
 
 EVALS = ("eval-converted", "eval-student", "retrieval-transfer", "retrieval-unseen", "retrieval-heldout",
-         "retrieval-refined", "retrieval-longdoc", "retrieval-longdoc2", "retrieval-longdoc3")
+         "retrieval-refined", "retrieval-longdoc", "retrieval-longdoc2", "retrieval-longdoc3", "retrieval-longdoc4",
+         "pieces-transfer", "pieces-unseen")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,12 +411,19 @@ def main(argv: list[str] | None = None) -> int:
                                                           "retrieval-longdoc2", "transfer")),
         "retrieval-longdoc3": lambda: _cli(retrieval_argv(work, work / "longdoc3" / "model", teacher,
                                                           "retrieval-longdoc3", "transfer")),
+        "retrieval-longdoc4": lambda: _cli(retrieval_argv(work, work / "longdoc4" / "model", teacher,
+                                                          "retrieval-longdoc4", "transfer")),
+        "pieces-transfer": lambda: _cli(pieces_argv(work, final_model(work), teacher, "pieces-transfer",
+                                                    "longdoc-data")),
+        "pieces-unseen": lambda: _cli(pieces_argv(work, final_model(work), teacher, "pieces-unseen",
+                                                  "longdoc-data-unseen")),
         "topics-teacher": lambda: _cli(finetune_argv(work, teacher, "topics-teacher")),
         "topics-student": lambda: _cli(finetune_argv(work, final_model(work), "topics-student")),
     }
     groups = {"eval": list(EVALS), "finetune": ["topics-teacher", "topics-student"]}
     order = ["data", "distill", "refine", "longdoc-data", "longdoc", "longdoc2", "longdoc3", "longdoc-data-wide",
-             "longdoc4", "longdoc-data-unseen", "serve-settings", "eval", "finetune", "bundle"] \
+             "longdoc4", "longdoc-data-unseen", "serve-settings", "longdoc5", "longdoc6", "longdoc7",
+             "serve-settings", "eval", "finetune", "bundle"] \
         if args.stage == "all" else [args.stage]
     for stage in (s for group in order for s in groups.get(group, [group])):
         if stage == "data":
@@ -372,8 +438,10 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 return 0
         elif stage == "serve-settings":
-            apply_served_settings(final_model(work))
-            print(f"{final_model(work)}: served with {SERVED_SETTINGS}")
+            for model in dict.fromkeys((work / SERVED_FROM / "model", final_model(work))):
+                if (model / "config.json").is_file():
+                    apply_served_settings(model)
+                    print(f"{model}: served with {SERVED_SETTINGS}")
         elif stage == "bundle":
             from .model_card import bundle
 

@@ -7,7 +7,8 @@ pipeline that starts from a bundled model without its earlier run directories (a
 reports those stages from the starting model's record. The student is copied
 into the bundle only when, on the documentation source kept out of training, its one-pass
 deep retrieval beats every earlier stage's model that was measured there (recall@1: the refined
-model, and stages three to five); otherwise the card lands in the work directory only. The targets
+model, and stages three to six) and its 128-token pieces, indexed one by one, beat the teacher's
+128-token windows indexed the same way; otherwise the card lands in the work directory only. The targets
 (deep recall@1 at least the windowed teacher's + 0.05, short recall@1 at least 0.97 × the teacher's)
 are reported, met or not.
 """
@@ -22,8 +23,9 @@ from pathlib import Path
 
 from yoso_serve.model import load_pretrained
 
-from .default_model import (LONGDOC_CURRICULUM, QUERY_DRAWS, distill_argv, final_model, longdoc2_argv,
-                            longdoc3_argv, longdoc4_argv, longdoc_argv, refine_argv)
+from .default_model import (LONGDOC_CURRICULUM, PIECE_TOKENS, QUERY_DRAWS, distill_argv, final_model,
+                            longdoc2_argv, longdoc3_argv, longdoc4_argv, longdoc5_argv, longdoc6_argv,
+                            longdoc7_argv, longdoc_argv, refine_argv)
 from .longdocs import SOURCES, UNSEEN_SOURCES
 from .runtime import read_events
 
@@ -102,10 +104,11 @@ def _long_table(student: dict | None, converted: dict | None) -> list[str]:
     return lines
 
 
-STAGE_NAMES = ("distill", "refine", "longdoc", "longdoc2", "longdoc3", "longdoc4")
+STAGE_NAMES = ("distill", "refine", "longdoc", "longdoc2", "longdoc3", "longdoc4", "longdoc5", "longdoc6", "longdoc7")
 # Deep retrieval of the earlier stages' models on the source kept out: run directory → row label.
 EARLIER = {"retrieval-refined": "refined model (stage 2), one pass", "retrieval-longdoc": "stage 3's model, one pass",
-           "retrieval-longdoc2": "stage 4's model, one pass", "retrieval-longdoc3": "stage 5's model, one pass"}
+           "retrieval-longdoc2": "stage 4's model, one pass", "retrieval-longdoc3": "stage 5's model, one pass",
+           "retrieval-longdoc4": "stage 6's model, one pass"}
 RECORD = "training.json"
 
 
@@ -163,6 +166,14 @@ def _short_table(runs: dict[str, dict | None]) -> list[str]:
     return lines
 
 
+def pieces_win(pieces: dict | None) -> bool:
+    """Whether the student's pieces of its one pass, indexed one by one, beat the teacher's windows of the
+    same size indexed the same way (recall@1; False when not measured)."""
+    rows = {("student" if "student" in r["method"] else "teacher"): r
+            for r in (pieces or {}).get("deep_retrieval", []) if r["method"].startswith("multi-vector")}
+    return len(rows) == 2 and rows["student"]["recall_at_1"] > rows["teacher"]["recall_at_1"]
+
+
 def targets(transfer: dict | None) -> dict[str, bool]:
     """The long-document issue's targets on the source kept out of training."""
     student = _deep(transfer, "student")
@@ -175,20 +186,24 @@ def targets(transfer: dict | None) -> dict[str, bool]:
 
 
 def card(work: Path, name: str) -> tuple[str, bool]:
-    """(MODEL_CARD.md text, whether the long-document stage improved deep retrieval on the source kept out)."""
+    """(MODEL_CARD.md text, whether the final model ships: its one vector beats every earlier stage's and its
+    pieces beat the teacher's windows, on the source kept out)."""
     config, steps, minutes, sessions = _stage(work / "distill")
     r_config, r_steps, r_minutes, r_sessions = _stage(work / "refine")
     l_config, l_steps, l_minutes, l_sessions = _stage(work / "longdoc")
     m_config, m_steps, m_minutes, m_sessions = _stage(work / "longdoc2")
     n_config, n_steps, n_minutes, n_sessions = _stage(work / "longdoc3")
     o_config, o_steps, o_minutes, o_sessions = _stage(work / "longdoc4")
+    pieces_stages = [_stage(work / name) for name in ("longdoc5", "longdoc6", "longdoc7")]
     student, converted = _results(work / "eval-student"), _results(work / "eval-converted")
     transfer, heldout = _results(work / "retrieval-transfer"), _results(work / "retrieval-heldout")
     unseen = _results(work / "retrieval-unseen")
     before = {name: _results(work / name) for name in EARLIER}
     now = _deep(transfer, "student").get("recall_at_1")
     then = [_deep(res, "student")["recall_at_1"] for res in before.values() if _deep(res, "student")]
+    pieces, pieces_unseen = _results(work / "pieces-transfer"), _results(work / "pieces-unseen")
     improves = now is not None and bool(then) and now > max(then)
+    ships = improves and pieces_win(pieces)
     counts = json.loads((work / "data" / "counts.json").read_text())
     docs = json.loads((work / "longdoc-data" / "counts.json").read_text())
     wide = json.loads((work / "longdoc-data-wide" / "counts.json").read_text())
@@ -223,7 +238,7 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         "documents, on which transfer is measured. No manual page is read: nothing under /usr/share/man, and the "
         "doc packages' renderings of manual pages (git's `git*` pages, PostgreSQL's `sql-*`/`app-*` reference "
         "pages, any page named like an installed manual page) are skipped.", "",
-        f"Stage 6: the same plus {len(added)} more documentation packages among the training sources "
+        f"Stages 6–9: the same plus {len(added)} more documentation packages among the training sources "
         f"({_packages(added)}; their renderings of manual pages skipped as well): "
         f"{wide['train_docs']} training documents ({wide['train_tokens'] / 1e6:.1f}M tokens; the added sources: "
         f"{_counts(added)}); the PostgreSQL documents are the same.", "",
@@ -232,13 +247,15 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         "## Training", "",
         "```", f"python -m yoso_serve.model.train.default_model all --work {work}"
         + (f" --minutes {config['max_minutes']:g}" if config["max_minutes"] else ""),
-        "# its six training stages:",
+        "# its nine training stages:",
         "yoso-train " + " ".join(distill_argv(work, config["teacher"], config["max_minutes"], False)),
         "yoso-train " + " ".join(refine_argv(work, r_config["teacher"], r_config["max_minutes"], False)),
         "yoso-train " + " ".join(longdoc_argv(work, l_config["teacher"], l_config["max_minutes"], False)),
         "yoso-train " + " ".join(longdoc2_argv(work, m_config["teacher"], m_config["max_minutes"], False)),
         "yoso-train " + " ".join(longdoc3_argv(work, n_config["teacher"], n_config["max_minutes"], False)),
-        "yoso-train " + " ".join(longdoc4_argv(work, o_config["teacher"], o_config["max_minutes"], False)), "```", "",
+        "yoso-train " + " ".join(longdoc4_argv(work, o_config["teacher"], o_config["max_minutes"], False)),
+        *("yoso-train " + " ".join(fn(work, cfg["teacher"], cfg["max_minutes"], False))
+          for fn, (cfg, *_) in zip((longdoc5_argv, longdoc6_argv, longdoc7_argv), pieces_stages)), "```", "",
         "`make default-model` runs the same pipeline; a stage stopped by its time limit continues where it "
         "stopped when the command is run again (`--resume`), and the pipeline goes on only after it finished.", "",
         "Stages 1–2: losses 1 − cos and MSE of the pooled embeddings, MSE of the last hidden states; hash counts "
@@ -275,7 +292,8 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         f"{n_sessions} session(s).",
         f"6. longdoc4 (seed {o_config['seed']}): stage 5 continued for {o_steps} optimizer steps on the wider corpus "
         f"(Data above) with the distillation weight at {o_config['w_distill']:g}, otherwise as stage 5. "
-        f"{o_minutes:.1f} minutes over {o_sessions} session(s).", "",
+        f"{o_minutes:.1f} minutes over {o_sessions} session(s).",
+        *_piece_stages(pieces_stages), "",
         f"Machine: {machine()}.", "",
         "## Deep retrieval: a paragraph from the second half of a document → that document", "",
         "Documents of 1.2k–4k tokens; a query is one paragraph (≥ 20 words) from a document's second half, "
@@ -291,6 +309,17 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         *(_retrieval_table(unseen, {}) if unseen else ["Not measured for this model (`retrieval-unseen`)."]), "",
         "Held-out pages of the training sources:", "",
         *(_retrieval_table(heldout, {}) if heldout else ["Not measured for this model (`retrieval-heldout`)."]), "",
+        f"## Pieces: each {PIECE_TOKENS}-token piece of the one pass its own vector", "",
+        f"The same queries; each document is also indexed as the mean token states of its consecutive "
+        f"{PIECE_TOKENS}-token pieces, from the same pass that gives its one vector (so at the same docs/s), and "
+        f"scores its best piece. The teacher's consecutive {PIECE_TOKENS}-token windows, each encoded alone, are "
+        "indexed the same way: what a user who chunks does. The single-vector rows of these runs average the "
+        f"teacher's {PIECE_TOKENS}-token windows.", "",
+        "PostgreSQL documentation (never trained on):", "",
+        *(_retrieval_table(pieces, {}) if pieces else ["Not measured for this model (`pieces-transfer`)."]), "",
+        "The seven packages no stage trained on:", "",
+        *(_retrieval_table(pieces_unseen, {}) if pieces_unseen else
+          ["Not measured for this model (`pieces-unseen`)."]), "",
         "## Short retrieval: the first sentence of a paragraph → the rest of it", "",
         *_short_table({"PostgreSQL": transfer, "seven packages not trained on": unseen, "held-out pages": heldout}),
         "",
@@ -323,17 +352,33 @@ def card(work: Path, name: str) -> tuple[str, bool]:
     else:
         lines.append("Not run.")
     lines += ["", "The final model improves deep retrieval on the source kept out over every earlier stage measured: "
-              f"{'yes' if improves else 'no'}.", ""]
-    return "\n".join(lines), improves
+              f"{'yes' if improves else 'no'}; its {PIECE_TOKENS}-token pieces beat the teacher's windows of that "
+              f"size there: {'yes' if pieces_win(pieces) else 'no'}.", ""]
+    return "\n".join(lines), ships
+
+
+def _piece_stages(stages: list[tuple[dict, int, float, int]]) -> list[str]:
+    """Items 7–9 of the card's training list: the piece stages."""
+    said = {0: "stage 6 continued for {steps} optimizer steps with a third loss, span → piece: each span against "
+               "the mean token states of the consecutive {size}-token pieces of the batch's crops (cut from the "
+               "first token, as the piece evaluation cuts them), its positives the pieces of its own block, weight "
+               "{w:g}; otherwise as stage 6",
+            1: "stage 7 continued for {steps} optimizer steps with pieces of {size} tokens (one size drawn per step)",
+            2: "stage 8 continued for {steps} optimizer steps as stage 8 (pieces of {size} tokens)"}
+    return [f"{7 + i}. longdoc{5 + i} (seed {cfg['seed']}): "
+            + said[i].format(steps=steps, size=" or ".join(str(cfg.get("segment_tokens", "")).split(",")),
+                             w=cfg.get("w_segment", 0.0))
+            + f". {minutes:.1f} minutes over {sessions} session(s)."
+            for i, (cfg, steps, minutes, sessions) in enumerate(stages)]
 
 
 def bundle(work: Path, target: Path) -> bool:
     """Write the card into ``work``; copy model + card to ``target`` when long-document training paid."""
-    text, improves = card(work, target.name)
+    text, ships = card(work, target.name)
     (work / "MODEL_CARD.md").write_text(text, encoding="utf-8")
-    if not improves:
-        print(f"not bundled: long-document training did not improve deep retrieval on the source kept out; "
-              f"card in {work}")
+    if not ships:
+        print(f"not bundled: the final model's one vector did not beat every earlier stage's, or its pieces did "
+              f"not beat the teacher's windows, on the source kept out; card in {work}")
         return False
     model = load_pretrained(final_model(work))  # proves the directory loads before it ships
     del model

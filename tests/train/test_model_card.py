@@ -40,10 +40,20 @@ def stage(run: Path, config: dict, start: float, stop: float, steps: int) -> Non
     (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
 
 
+def _pieces(student: float, teacher: float = 0.88) -> list[dict]:
+    """deep_retrieval rows of a piece evaluation: the single-vector rows, then the two multi-vector ones."""
+    return _deep(0.67)[:2] + [
+        {"method": "multi-vector: teacher, each 128-token window, best", "docs": 300, "queries": 900,
+         "recall_at_1": teacher, "mrr_at_10": teacher + 0.04, "docs_per_s": 3.0},
+        {"method": "multi-vector: student, one pass, each 128-token segment, best", "docs": 300, "queries": 900,
+         "recall_at_1": student, "mrr_at_10": student + 0.03, "docs_per_s": 2.0}]
+
+
 def _work(tmp_path: Path, model: Path, student_recall: float, refined_recall: float, short: float = 0.9,
-          stage3_recall: float = 0.5, stage4_recall: float = 0.55, stage5_recall: float = 0.58) -> Path:
+          stage3_recall: float = 0.5, stage4_recall: float = 0.55, stage5_recall: float = 0.58,
+          stage6_recall: float = 0.59, pieces_recall: float | None = 0.9) -> Path:
     work = tmp_path / "work"
-    shutil.copytree(model, work / "longdoc4" / "model")  # the final model is stage six's
+    shutil.copytree(model, work / "longdoc7" / "model")  # the final model is stage nine's
     common = {"train_hashes": "0,32", "batch_size": 16, "grad_accum": 1, "max_minutes": 30.0, "teacher": "/teacher"}
     (work / "distill").mkdir()
     (work / "distill" / "config.json").write_text(json.dumps({**common, "seed": 0, "lr": 1.5e-4}))
@@ -62,6 +72,9 @@ def _work(tmp_path: Path, model: Path, student_recall: float, refined_recall: fl
     near = {"neighbourhood": 12, "temperature_lr_scale": 250.0}
     stage(work / "longdoc3", {**harder, **near, "seed": 2}, 9000.0, 9420.0, 20)
     stage(work / "longdoc4", {**harder, **near, "seed": 7, "w_distill": 0.5}, 9500.0, 9860.0, 10)
+    for i, (seed, sizes) in enumerate(((11, 128), (12, "64,128"), (13, "64,128"))):
+        stage(work / f"longdoc{5 + i}", {**harder, **near, "seed": seed, "w_distill": 0.5, "w_segment": 1.0,
+                                         "segment_tokens": sizes}, 10000.0 + 1000 * i, 10240.0 + 1000 * i, 8)
     (work / "longdoc-data").mkdir()
     (work / "longdoc-data" / "counts.json").write_text(json.dumps(
         {"train_docs": 50, "train_tokens": 1.5e6, "train_by_source": {"linux": 30, "python": 20},
@@ -74,10 +87,15 @@ def _work(tmp_path: Path, model: Path, student_recall: float, refined_recall: fl
               {"method": "teacher", "pairs": 40, "recall_at_1": 0.9, "mrr_at_10": 0.95}]
     for name, recall in (("retrieval-transfer", student_recall), ("retrieval-heldout", student_recall),
                          ("retrieval-refined", refined_recall), ("retrieval-longdoc", stage3_recall),
-                         ("retrieval-longdoc2", stage4_recall), ("retrieval-longdoc3", stage5_recall)):
+                         ("retrieval-longdoc2", stage4_recall), ("retrieval-longdoc3", stage5_recall),
+                         ("retrieval-longdoc4", stage6_recall)):
         (work / name).mkdir()
         (work / name / "results.json").write_text(json.dumps({"deep_retrieval": _deep(recall),
                                                               "short_retrieval": shorts}))
+    if pieces_recall is not None:
+        (work / "pieces-transfer").mkdir()
+        (work / "pieces-transfer" / "results.json").write_text(json.dumps({"deep_retrieval": _pieces(pieces_recall),
+                                                                           "short_retrieval": shorts}))
     (work / "data").mkdir()
     (work / "data" / "counts.json").write_text(json.dumps(
         {"pages": {"train": 9, "heldout": 1}, "train_passages": 90, "heldout_passages": 10, "heldout_long": 2,
@@ -124,12 +142,27 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert "| stage 5's model, one pass | 300 | 900 | 0.580 | 0.630 | 2.00 |" in card
     assert "6. longdoc4 (seed 7): stage 5 continued for 10 optimizer steps on the wider corpus (Data above) with " \
            "the distillation weight at 0.5, otherwise as stage 5. 6.0 minutes over 1 session(s)." in card
-    assert "Stage 6: the same plus 2 more documentation packages among the training sources (apache2-doc, " \
+    assert "Stages 6–9: the same plus 2 more documentation packages among the training sources (apache2-doc, " \
            "nodejs-doc; their renderings of manual pages skipped as well)" in card
     assert "65 training documents (1.9M tokens; the added sources: apache 9, node 6)" in card
     assert "--data /" in card and "longdoc-data-wide/train_docs.jsonl" in card and "--w-distill 0.5" in card
     assert "Not measured for this model (`retrieval-unseen`)." in card
     assert "The same on the seven packages" not in card and "Kept out of every stage as well" not in card
+    assert "| stage 6's model, one pass | 300 | 900 | 0.590 | 0.640 | 2.00 |" in card
+    assert "7. longdoc5 (seed 11): stage 6 continued for 8 optimizer steps with a third loss, span → piece: each " \
+           "span against the mean token states of the consecutive 128-token pieces" in card
+    assert "its positives the pieces of its own block, weight 1; otherwise as stage 6. 4.0 minutes" in card
+    assert "8. longdoc6 (seed 12): stage 7 continued for 8 optimizer steps with pieces of 64 or 128 tokens " \
+           "(one size drawn per step). 4.0 minutes over 1 session(s)." in card
+    assert "9. longdoc7 (seed 13): stage 8 continued for 8 optimizer steps as stage 8" in card
+    assert "--w-segment 1 --segment-tokens 128 " in card and card.count("--w-segment 1 --segment-tokens 64,128") == 2
+    assert "# its nine training stages:" in card
+    # the pieces: their own section, from the piece evaluation of the PostgreSQL documents
+    pieces = card.split("## Pieces: each 128-token piece of the one pass its own vector")[1].split("## Short")[0]
+    assert "| multi-vector: student, one pass, each 128-token segment, best | 300 | 900 | 0.900 | 0.930 | 2.00 |" \
+        in pieces
+    assert "| multi-vector: teacher, each 128-token window, best | 300 | 900 | 0.880 | 0.920 | 3.00 |" in pieces
+    assert "Not measured for this model (`pieces-unseen`)." in pieces
 
 
     winning = _work(tmp_path / "win", tiny_yoso, student_recall=0.75, refined_recall=0.62, short=0.85)
@@ -141,7 +174,7 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     (winning / "longdoc-data-unseen").mkdir()
     (winning / "longdoc-data-unseen" / "counts.json").write_text(json.dumps(
         {"transfer_docs": 12, "transfer_by_source": {"pandas": 5, "vim": 7}}))
-    default_model.apply_served_settings(winning / "longdoc4" / "model")
+    default_model.apply_served_settings(winning / "longdoc7" / "model")
     assert bundle(winning, target)
     card = (target / "MODEL_CARD.md").read_text()
     assert "int8 hashing (`hash_int8`" in card and load_pretrained(target).config.hash_int8
@@ -163,6 +196,14 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
                             stage4_recall=0.71), tmp_path / "bundled-worse4" / "yoso-test")
     assert not bundle(_work(tmp_path / "worse5", tiny_yoso, student_recall=0.70, refined_recall=0.62,
                             stage5_recall=0.70), tmp_path / "bundled-worse5" / "yoso-test")  # a tie is not a gain
+    assert not bundle(_work(tmp_path / "worse6", tiny_yoso, student_recall=0.70, refined_recall=0.62,
+                            stage6_recall=0.71), tmp_path / "bundled-worse6" / "yoso-test")
+    # the one vector wins, but the pieces do not beat the teacher's windows (a tie), or were not measured
+    for name, pieces in (("tie", 0.88), ("unmeasured", None)):
+        work = _work(tmp_path / name, tiny_yoso, student_recall=0.75, refined_recall=0.62, pieces_recall=pieces)
+        assert not bundle(work, tmp_path / f"bundled-{name}" / "yoso-test")
+        assert "over every earlier stage measured: yes; its 128-token pieces beat the teacher's windows of that " \
+               "size there: no." in (work / "MODEL_CARD.md").read_text()
 
 
 def test_a_pipeline_started_from_a_bundle_reports_its_earlier_stages_from_the_bundles_record(tiny_yoso, tmp_path):
@@ -172,7 +213,8 @@ def test_a_pipeline_started_from_a_bundle_reports_its_earlier_stages_from_the_bu
     record = json.loads((target / "training.json").read_text())["stages"]
     assert {k: (v["steps"], v["minutes"], v["sessions"]) for k, v in record.items()} == \
         {"distill": (40, 30.5, 2), "refine": (12, 5.0, 1), "longdoc": (30, 10.0, 1), "longdoc2": (50, 15.0, 1),
-         "longdoc3": (20, 7.0, 1), "longdoc4": (10, 6.0, 1)}
+         "longdoc3": (20, 7.0, 1), "longdoc4": (10, 6.0, 1), "longdoc5": (8, 4.0, 1), "longdoc6": (8, 4.0, 1),
+         "longdoc7": (8, 4.0, 1)}
     # another machine: only the bundle (as the starting model) and a new long-document run
     again = _work(tmp_path / "again", tiny_yoso, student_recall=0.8, refined_recall=0.75)
     for name in ("distill", "refine", "retrieval-heldout"):
@@ -229,20 +271,39 @@ def test_pipeline_waits_for_a_stage_stopped_by_its_time_limit(tmp_path, monkeypa
 
     (work / "longdoc4").mkdir()
     (work / "longdoc4" / "metrics.jsonl").write_text(json.dumps({**stop, "reason": "done"}) + "\n")
-    calls.clear()
-    monkeypatch.setattr("yoso_serve.model.train.model_card.bundle", lambda *a: calls.append("bundle"))
     (work / "longdoc4" / "model").mkdir()
     (work / "longdoc4" / "model" / "config.json").write_text(json.dumps({"num_hash": 32, "hash_int8": False}))
+    calls.clear()
+    assert default_model.main(["all", "--work", str(work), "--minutes", "1"]) == 0
+    assert calls[-2:] == ["longdoc-data-unseen", str(work / "longdoc5")]  # then the piece stages
+    # stage six's model got the served settings first: the piece stages train with the served hashing
+    assert json.loads((work / "longdoc4" / "model" / "config.json").read_text()) == {"num_hash": 32, "hash_int8": True}
+
+    for name in ("longdoc5", "longdoc6"):
+        (work / name).mkdir()
+        (work / name / "metrics.jsonl").write_text(json.dumps({**stop, "reason": "done"}) + "\n")
+        calls.clear()
+        assert default_model.main(["all", "--work", str(work), "--minutes", "1"]) == 0
+        assert calls[-1] == str(work / f"longdoc{int(name[-1]) + 1}")  # each waits for the one before
+
+    (work / "longdoc7").mkdir()
+    (work / "longdoc7" / "metrics.jsonl").write_text(json.dumps({**stop, "reason": "done"}) + "\n")
+    (work / "longdoc7" / "model").mkdir()
+    (work / "longdoc7" / "model" / "config.json").write_text(json.dumps({"num_hash": 32, "hash_int8": False}))
+    calls.clear()
+    monkeypatch.setattr("yoso_serve.model.train.model_card.bundle", lambda *a: calls.append("bundle"))
     assert default_model.main(["all", "--work", str(work)]) == 0
     # the evaluations and the bundle see the served settings
-    assert json.loads((work / "longdoc4" / "model" / "config.json").read_text()) == {"num_hash": 32, "hash_int8": True}
-    assert calls[:9] == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc"),
-                         str(work / "longdoc2"), str(work / "longdoc3"), "longdoc-data-wide", str(work / "longdoc4"),
-                         "longdoc-data-unseen"]
-    assert calls[9:18] == [str(work / n) for n in ("eval-converted", "eval-student", "retrieval-transfer",
-                                                   "retrieval-unseen", "retrieval-heldout", "retrieval-refined",
-                                                   "retrieval-longdoc", "retrieval-longdoc2", "retrieval-longdoc3")]
-    assert calls[-1] == "bundle" and len(calls) == 21  # + topics-teacher, topics-student
+    assert json.loads((work / "longdoc7" / "model" / "config.json").read_text()) == {"num_hash": 32, "hash_int8": True}
+    assert calls[:12] == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc"),
+                          str(work / "longdoc2"), str(work / "longdoc3"), "longdoc-data-wide", str(work / "longdoc4"),
+                          "longdoc-data-unseen", str(work / "longdoc5"), str(work / "longdoc6"),
+                          str(work / "longdoc7")]
+    assert calls[12:24] == [str(work / n) for n in ("eval-converted", "eval-student", "retrieval-transfer",
+                                                    "retrieval-unseen", "retrieval-heldout", "retrieval-refined",
+                                                    "retrieval-longdoc", "retrieval-longdoc2", "retrieval-longdoc3",
+                                                    "retrieval-longdoc4", "pieces-transfer", "pieces-unseen")]
+    assert calls[-1] == "bundle" and len(calls) == 27  # + topics-teacher, topics-student
 
 
 def test_the_wider_corpus_and_the_unseen_packages_are_stages_of_their_own(tmp_path, monkeypatch):
@@ -258,11 +319,37 @@ def test_the_wider_corpus_and_the_unseen_packages_are_stages_of_their_own(tmp_pa
 def test_every_retrieval_eval_of_the_pipeline_pools_the_same_query_draws(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(default_model, "_cli", lambda argv: seen.update({argv[argv.index("--out") + 1]: argv}))
-    for name in [e for e in default_model.EVALS if e.startswith("retrieval-")]:
+    for name in [e for e in default_model.EVALS if e.startswith(("retrieval-", "pieces-"))]:
         assert default_model.main([name, "--work", str(tmp_path)]) == 0
-    assert len(seen) == 7
+    assert len(seen) == 10
     for argv in seen.values():  # the final model and the earlier stages are judged on the same 3 × 300 queries
         assert argv[argv.index("--query-draws") + 1] == "3" and argv[argv.index("--seed") + 1] == "0"
     data = {Path(out).name: Path(argv[argv.index("--retrieval-data") + 1]) for out, argv in seen.items()}
     assert data["retrieval-unseen"] == tmp_path / "longdoc-data-unseen" / "transfer_docs.jsonl"
     assert data["retrieval-transfer"] == tmp_path / "longdoc-data" / "transfer_docs.jsonl"
+    assert data["pieces-unseen"] == data["retrieval-unseen"] and data["pieces-transfer"] == data["retrieval-transfer"]
+    for name, argv in ((Path(out).name, argv) for out, argv in seen.items()):
+        # the piece runs index 128-token pieces against the teacher's 128-token windows; the rest its 240 ones
+        pieces = argv[argv.index("--window") + 1:argv.index("--window") + 4] if "--window" in argv else None
+        assert pieces == (["128", "--segment", "128"] if name.startswith("pieces-") else None)
+    final = [argv for out, argv in seen.items() if Path(out).name in ("pieces-transfer", "retrieval-transfer")]
+    assert {argv[argv.index("--model") + 1] for argv in final} == {str(tmp_path / "longdoc7" / "model")}
+
+
+def test_the_piece_stages_replay_the_runs_their_figures_came_from(tmp_path):
+    teacher = tmp_path / "teacher"
+    argvs = {name: default_model.STAGES[name](tmp_path, teacher, 0, False) for name in ("longdoc5", "longdoc6",
+                                                                                          "longdoc7")}
+    for name, (start, seed, sizes) in {"longdoc5": ("longdoc4", "11", "128"), "longdoc6": ("longdoc5", "12", "64,128"),
+                                       "longdoc7": ("longdoc6", "13", "64,128")}.items():
+        argv = argvs[name]
+        flags = {k: argv[argv.index(k) + 1] for k in ("--model", "--seed", "--segment-tokens", "--w-segment",
+                                                      "--neighbourhood", "--w-distill", "--max-steps", "--data")}
+        assert flags == {"--model": str(tmp_path / start / "model"), "--seed": seed, "--segment-tokens": sizes,
+                         "--w-segment": "1", "--neighbourhood": "12", "--w-distill": "0.5", "--max-steps": "100",
+                         "--data": str(tmp_path / "longdoc-data-wide" / "train_docs.jsonl")}
+        # otherwise stage six's recipe, flag for flag
+        six = default_model.longdoc4_argv(tmp_path, teacher, 0, False)
+        strip = {"--model", "--seed", "--out", "--segment-tokens", "--w-segment", "--max-steps"}
+        keep = [a for i, a in enumerate(argv) if a not in strip and (i == 0 or argv[i - 1] not in strip)]
+        assert keep == [a for i, a in enumerate(six) if a not in strip and (i == 0 or six[i - 1] not in strip)]
