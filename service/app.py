@@ -18,8 +18,9 @@ from .engine import Engine
 from .errors import MalformedRequest, MethodNotAllowed, NotFound, NotReady, ServiceError, InvalidInput
 from .metrics import CONTENT_TYPE, ServiceMetrics
 from .middleware import EdgeMiddleware, RouteTable
-from .protocol import (UNION_TAGS, ClassifyRequest, EmbedAllRequest, EmbedRequest, ErrorResponse,
-                       OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, ScoredLabel, Token, TokenizeRequest)
+from .protocol import (UNION_TAGS, ClassifyRequest, EmbedAllRequest, EmbedPiecesRequest, EmbedRequest, ErrorResponse,
+                       OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, PiecedEmbedding, ScoredLabel, Token,
+                       TokenizeRequest)
 from .responses import ERRORS as _ERRORS, error as _error, json_response as _json, watch as _watch
 from .schema import deployment_openapi
 from .settings import ServeSettings
@@ -149,6 +150,14 @@ def _add_routes(app: FastAPI, engine: Engine, metrics: ServiceMetrics) -> None:
     async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
         out = await engine.embed_all(body.to_params(), _watch(request))
         return _json([states.tolist() for states in out.value], out.usage)
+
+    @app.post("/embed_pieces", response_model=list[PiecedEmbedding], responses=_ERRORS)
+    async def embed_pieces(body: EmbedPiecesRequest, request: Request) -> Response:
+        out = await engine.embed_pieces(body.to_params(), _watch(request))
+        return _json([{"embedding": vector.tolist(),
+                       "pieces": [{"embedding": e, "tokens": list(t), "chars": list(c)}
+                                  for e, t, c in zip(pieces.tolist(), tokens, chars)]}
+                      for vector, pieces, tokens, chars in out.value], out.usage)
 
     @app.post("/classify", response_model=list[list[ScoredLabel]], responses=_ERRORS)
     async def classify(body: ClassifyRequest, request: Request) -> Response:

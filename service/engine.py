@@ -18,11 +18,12 @@ import numpy as np
 import torch
 
 from yoso_serve.model.hashes import HashesError, auto_crossover, hashes_header, resolve_hashes
+from yoso_serve.model.pieces import piece_bounds, segment_sums
 
 from .admission import SPEED_PROBE, request_budget
 from .errors import ClientGone, InvalidInput, NotReady
 from .metrics import ServiceMetrics
-from .params import ClassifyParams, EmbedParams, HiddenParams, Output, Usage
+from .params import ClassifyParams, EmbedParams, HiddenParams, Output, PiecesParams, Usage
 from .loading import LoadedModel, ServedModel
 from .scheduler import BatchScheduler, OutputKind, WorkItem
 from .settings import ServeSettings
@@ -31,6 +32,9 @@ from .zero_shot import ranked, softmax, zero_shot_classify
 log = logging.getLogger("yoso_serve.service")
 
 WARMUP_TEXT = "warm-up"
+# /embed_pieces' default piece size: the default model's pieces were trained and measured at 64 and 128 tokens
+# (docs/training.md, item 8); 128 gives half the vectors to store.
+PIECE_TOKENS = 128
 
 
 Watch = Callable[[], Awaitable[object]]  # completes when the client disconnects
@@ -80,6 +84,20 @@ async def in_own_thread(fn: Callable[[], object], name: str) -> object:
 
     threading.Thread(target=target, name=name, daemon=True).start()
     return await done
+
+
+def _char_bounds(offsets: list[tuple[int, int]], bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Character bounds of each token range: from its first content token's start to its last one's stop;
+    special tokens (offset (0, 0)) have no text, so a range of them only is empty where the text stopped."""
+    out, end = [], 0
+    for a, b in bounds:
+        text = [o for o in offsets[a:b] if o[1] > o[0]]
+        if text:
+            out.append((text[0][0], text[-1][1]))
+            end = text[-1][1]
+        else:
+            out.append((end, end))
+    return out
 
 
 class Engine:
@@ -224,6 +242,41 @@ class Engine:
             raise InvalidInput("long_input='chunk' is only for pooled embeddings (/embed); use "
                                "'truncate' or 'error' here", param="long_input")
         return Output(*await self._run_whole_inputs(p, hashes, OutputKind.HIDDEN, watch))
+
+    async def embed_pieces(self, p: PiecesParams, watch: Watch | None = None) -> Output:
+        """Per input, from one pass: its pooled embedding (as :meth:`embed` without chunking) and the mean
+        token state of each consecutive ``piece_tokens``-token piece (model/pieces.py), with each piece's
+        token and character bounds: ``[(vector (d,), pieces (k, d), [(tok_a, tok_b)], [(char_a, char_b)])]``."""
+        self._check_open()
+        hashes = self._hashes(p.hashes)
+        self._check_texts(p.texts)
+        if p.long_input == "chunk":
+            raise InvalidInput("long_input='chunk' would cut the one pass the pieces come from; use "
+                               "'truncate' or 'error' here", param="long_input")
+        if self.model.config.pooling != "mean":
+            raise InvalidInput("pieces are means of token states, and this model pools by its first token "
+                               "(pooling 'cls'); use /embed or /embed_all", param="piece_tokens")
+        size = min(PIECE_TOKENS, self.max_length) if p.piece_tokens is None else p.piece_tokens
+        if not 1 <= size <= self.max_length:
+            raise InvalidInput(f"piece_tokens must be in [1, {self.max_length}] (the model's input length), got "
+                               f"{size}", param="piece_tokens")
+        rows, usage = await self._run_whole_inputs(p, hashes, OutputKind.HIDDEN, watch)
+        tok = self.model.tokenizer
+        encoded = await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, lambda: tok.encode_with_offsets(p.texts, max_length=self.max_length,
+                                                                 truncation_side=p.truncation_direction))
+        out = []
+        for states, (_, offsets) in zip(rows, encoded):
+            hidden = torch.from_numpy(states)[None]
+            sums, counts = segment_sums(hidden, torch.ones(hidden.shape[:2]), size)
+            vector = (sums.sum(1) / counts.sum(1, keepdim=True))[0].numpy()
+            pieces = (sums / counts[..., None])[0].numpy()
+            if p.normalize:
+                vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+                pieces = pieces / np.maximum(np.linalg.norm(pieces, axis=1, keepdims=True), 1e-12)
+            bounds = piece_bounds(len(states), size)
+            out.append((vector, pieces, bounds, _char_bounds(offsets, bounds)))
+        return Output(out, usage)
 
     async def classify(self, p: ClassifyParams, watch: Watch | None = None) -> Output:
         """Per input, ``[(label, score), ...]`` sorted by score, highest first."""

@@ -28,6 +28,16 @@ class HiddenParams:
 
 
 @dataclass(frozen=True)
+class PiecesParams:
+    texts: list[str]
+    piece_tokens: int | None = None  # None: PIECE_TOKENS, or the input length if shorter
+    normalize: bool = True
+    truncation_direction: str = "right"
+    hashes: int | str | None = None
+    long_input: str = "truncate"  # "truncate" | "error"
+
+
+@dataclass(frozen=True)
 class ClassifyParams:
     texts: list[str]
     labels: list[str] | None = None

@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from .params import ClassifyParams, EmbedParams, HiddenParams
+from .params import ClassifyParams, EmbedParams, HiddenParams, PiecesParams
 
 Direction = Literal["right", "left"]
 LongInput = Literal["truncate", "chunk", "error"]
@@ -106,6 +106,24 @@ class EmbedAllRequest(_Request):
     def to_params(self) -> HiddenParams:
         return HiddenParams(texts=_as_list(self.inputs), truncation_direction=self.truncation_direction,
                             hashes=self.hashes, long_input=_long_input(self.long_input, self.truncate))
+
+
+class EmbedPiecesRequest(_Request):
+    inputs: Texts = Field(..., examples=["A long document, read in one pass and indexed piece by piece."])
+    piece_tokens: Positive | None = Field(None, description="Tokens per piece: the sequence (special tokens "
+                                          "included) is cut into consecutive pieces of this many tokens from its "
+                                          "first token; the last may be shorter. At most the model's input "
+                                          "length. Default: 128, or the input length if shorter.")
+    normalize: bool = True
+    truncate: bool | None = None
+    truncation_direction: Direction = "right"
+    hashes: HashCount = None
+    long_input: Literal["truncate", "error"] = "truncate"
+
+    def to_params(self) -> PiecesParams:
+        return PiecesParams(texts=_as_list(self.inputs), piece_tokens=self.piece_tokens, normalize=self.normalize,
+                            truncation_direction=self.truncation_direction, hashes=self.hashes,
+                            long_input=_long_input(self.long_input, self.truncate))
 
 
 class ClassifyRequest(_Request):
@@ -295,6 +313,18 @@ class Token(BaseModel):
     start: int
     stop: int
     special: bool
+
+
+class Piece(BaseModel):
+    embedding: list[float] = Field(description="Mean of the piece's token states (normalised if asked).")
+    tokens: list[int] = Field(description="[start, stop) token positions, special tokens counted.")
+    chars: list[int] = Field(description="[start, stop) character offsets of the piece's text in the input; "
+                             "empty ([n, n]) for a piece of special tokens only.")
+
+
+class PiecedEmbedding(BaseModel):
+    embedding: list[float] = Field(description="The input's embedding, as /embed gives it (mean pooling).")
+    pieces: list[Piece]
 
 
 class OpenAIEmbedding(BaseModel):

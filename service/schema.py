@@ -1,8 +1,9 @@
 """The served /openapi.json: the protocol models' schema plus this deployment's limits.
 
 The fixed rules are the pydantic models' own. What depends on the settings or on the loaded model
-(inputs per request, hash range, hidden size, vocabulary, whether a classification head exists) is
-checked by the engine and written in here, so that what validation rejects, the schema rejects too.
+(inputs per request, hash range, hidden size, input length, vocabulary, whether a classification head
+exists) is checked by the engine and written in here, so that what validation rejects, the schema
+rejects too.
 Until the model is loaded only the settings are known; the document is cached once it is.
 """
 
@@ -71,6 +72,8 @@ def tailor(doc: dict, engine: Engine) -> dict:
             continue
         if "dimensions" in props:
             props["dimensions"]["anyOf"][0]["maximum"] = model.config.hidden_size
+        if "piece_tokens" in props:
+            props["piece_tokens"]["anyOf"][0]["maximum"] = engine.max_length
         if "ids" in props:
             _limit_ids(props, model.tokenizer.vocab_size)
     if "SimilarityInput" in schemas:  # the source sentence is one of the request's inputs

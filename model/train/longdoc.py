@@ -34,10 +34,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from yoso_serve.model import EncoderModel, load_pretrained
+from yoso_serve.model.pieces import segment_sums
 
 from .common import add_common_arguments, prepare_model, start, train_options
 from .distill import fit_student, parse_hashes, set_hash_seeds
-from .teacher import BertTeacher, pool, segment_sums
+from .teacher import BertTeacher, pool
 from .trainer import Trainer
 
 # where one sentence ends and the next begins (the retrieval eval cuts its sentences here too)

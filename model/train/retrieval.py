@@ -25,9 +25,10 @@ from tqdm.auto import tqdm
 
 from yoso_serve.model import EncoderModel
 from yoso_serve.model.hashes import AUTO_EXACT_BELOW, resolve_hashes
+from yoso_serve.model.pieces import segment_sums
 
 from .longdoc import SENTENCE_BREAK, pad
-from .teacher import BertTeacher, segment_sums
+from .teacher import BertTeacher
 
 QUERY_WORDS = 20  # a query paragraph has at least this many words
 SENTENCE_WORDS = 8  # a query sentence (``unit="sentence"``) has at least this many

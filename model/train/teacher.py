@@ -173,17 +173,6 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> to
     return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
 
 
-def segment_sums(hidden: torch.Tensor, attention_mask: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden: (B, N, D) → the sums (B, k, D) and real-token counts (B, k) of its consecutive ``size``-token
-    pieces, k = ⌈N / size⌉, cut from position 0; a piece past a row's end counts 0 tokens."""
-    b, n, d = hidden.shape
-    k = -(-n // size)
-    w = attention_mask.to(hidden.dtype).unsqueeze(-1)
-    sums = F.pad(hidden * w, (0, 0, 0, k * size - n)).view(b, k, size, d).sum(2)
-    counts = F.pad(w, (0, 0, 0, k * size - n)).view(b, k, size).sum(2)
-    return sums, counts
-
-
 def _st_pooling(root: Path) -> str:
     cfg = root / "1_Pooling" / "config.json"
     if not cfg.is_file():

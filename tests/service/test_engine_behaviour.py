@@ -136,3 +136,51 @@ def test_a_load_error_still_fails_the_start(tiny_dir, serve):
             return None
 
     assert asyncio.run(main()) == ("disk on fire", "failed", "OSError: disk on fire")
+
+
+PARAGRAPHS = [
+    "To bake a loaf of sourdough bread, feed the starter the night before, mix flour, water and salt in the "
+    "morning, fold the dough every half hour, let it rise until it is airy, shape it, proof it in a basket and "
+    "bake it in a very hot covered pot for forty minutes until the crust is deep brown.",
+    "Jupiter is the largest planet of the solar system. It is a gas giant made mostly of hydrogen and helium, "
+    "with a great red spot that is a storm larger than the Earth, dozens of moons including Europa and "
+    "Ganymede, and faint rings discovered by the Voyager probes.",
+    "A TCP connection starts with a three-way handshake: the client sends a SYN segment, the server answers "
+    "with SYN-ACK and the client acknowledges it. Sequence numbers, retransmission timers and a sliding window "
+    "give reliable, ordered delivery and flow control over an unreliable network.",
+    "Tomatoes need six to eight hours of sun a day, rich well-drained soil and regular deep watering. Stake "
+    "or cage the plants, pinch out the side shoots, mulch to keep the roots cool and feed them with a "
+    "potassium-rich fertiliser once the first fruits set.",
+    "A fugue opens with a single voice stating the subject; a second voice answers it a fifth higher while "
+    "the first continues in counterpoint, and further voices enter in turn. Episodes modulate between keys "
+    "before the subject returns, often in stretto near the end.",
+]
+
+
+def test_embed_pieces_of_the_default_model_find_the_paragraph_a_question_is_about(default_dir, serve):
+    """The served piece vectors of the bundled model, one pass over a document of five topics: a question
+    on one paragraph scores a piece of that paragraph best, and the pieces are 128 tokens by default."""
+    document = "\n\n".join(PARAGRAPHS)
+    spans, at = [], 0
+    for p in PARAGRAPHS:
+        spans.append((at, at + len(p)))
+        at += len(p) + 2
+    questions = ["how long should the dough bake in the pot", "which moons orbit the biggest gas planet",
+                 "what does the server reply to a SYN segment", "how much sunlight do tomato plants need",
+                 "how does the second voice answer the subject"]
+
+    async def main():
+        async with serve(default_dir) as c:
+            doc = await c.post("/embed_pieces", json={"inputs": document, "piece_tokens": 64})
+            default = await c.post("/embed_pieces", json={"inputs": document})
+            q = await c.post("/embed", json={"inputs": questions})
+            return doc.json()[0], default.json()[0], np.array(q.json())
+
+    doc, default, q = asyncio.run(main())
+    assert all(b - a <= 128 for a, b in (p["tokens"] for p in default["pieces"]))
+    assert default["pieces"][0]["tokens"] == [0, 128] and len(default["pieces"]) >= 3
+    pieces = np.array([p["embedding"] for p in doc["pieces"]])
+    for i, question in enumerate(questions):
+        best = doc["pieces"][int(np.argmax(pieces @ q[i]))]
+        lo, hi = best["chars"]
+        assert lo < spans[i][1] and hi > spans[i][0], (question, document[lo:hi])  # it overlaps the paragraph

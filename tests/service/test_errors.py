@@ -78,7 +78,7 @@ def test_routes_are_sorted_by_what_the_app_registers(tiny_dir):
     list them, are exactly what the app's registered routes give."""
     app = create_app(ServeSettings(model=tiny_dir, runtime="torch"))
     table = next(m.kwargs["routes"] for m in app.user_middleware if m.cls is EdgeMiddleware)
-    assert table.work == {"/embed", "/embed_all", "/classify", "/v1/embeddings", "/tokenize", "/", "/predict",
+    assert table.work == {"/embed", "/embed_all", "/embed_pieces", "/classify", "/v1/embeddings", "/tokenize", "/", "/predict",
                           "/rerank", "/similarity", "/decode"}
     assert table.open == {"/health", "/ready", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc",
                           "/openapi.json"}
@@ -139,6 +139,11 @@ def test_413_by_content_length_and_by_chunked_body(tiny_dir, serve):
     ("/embed", {"inputs": 3}, "inputs", "string"),
     ("/embed", {"text": "hi"}, "inputs", "required"),
     ("/embed_all", {"inputs": "hi", "long_input": "chunk"}, "long_input", "truncate"),
+    ("/embed_pieces", {"inputs": "hi", "long_input": "chunk"}, "long_input", "truncate"),
+    ("/embed_pieces", {"inputs": "hi", "piece_tokens": 0}, "piece_tokens", "greater than or equal to 1"),
+    ("/embed_pieces", {"inputs": "hi", "piece_tokens": 65}, "piece_tokens", "[1, 64] (the model's input length)"),
+    ("/embed_pieces", {"inputs": "word " * 100, "truncate": False}, "inputs", "limit of 64"),
+    ("/embed_pieces", {"inputs": ["a"] * 5}, "inputs", "max_client_batch_size 4"),
     ("/classify", {"inputs": "hi"}, "labels", "no classification head"),
     ("/classify", {"inputs": "hi", "labels": []}, "labels", "at least 1 item"),
     ("/classify", {"inputs": "hi", "labels": ["a", " \x1c"]}, "labels", "labels.1: String should match"),

@@ -90,6 +90,52 @@ def test_embed_all_returns_each_texts_token_states(tiny_dir, tiny, serve):
         np.testing.assert_allclose(np.array(states), want, atol=1e-5)
 
 
+def test_embed_pieces_are_means_of_the_token_states_of_one_pass(tiny_dir, tiny, serve):
+    text = "Reading the whole document at once: " + " ".join(f"part{i} of it," for i in range(8)) + " the end."
+
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            pieces = await c.post("/embed_pieces", json={"inputs": [text, TEXTS[0]], "piece_tokens": 16})
+            raw = await c.post("/embed_pieces", json={"inputs": text, "piece_tokens": 16, "normalize": False})
+            tokens = await c.post("/embed_pieces", json={"inputs": TEXTS[0], "piece_tokens": 1})
+            embed = await c.post("/embed", json={"inputs": [text, TEXTS[0]]})
+            default = await c.post("/embed_pieces", json={"inputs": text})
+            return pieces, raw, tokens, embed, default
+
+    pieces, raw, tokens, embed, default = asyncio.run(main())
+    # without piece_tokens: 128, or the input length (64 here) when shorter: one piece, the whole input
+    assert [p["tokens"] for p in default.json()[0]["pieces"]] == [[0, len(tiny.tokenizer.encode([text])[0])]]
+    assert pieces.status_code == 200 and int(pieces.headers["x-compute-tokens"]) > 0
+    body = pieces.json()
+    # the document vector is /embed's, from the same pass
+    np.testing.assert_allclose([d["embedding"] for d in body], embed.json(), atol=1e-5)
+    for doc, got in ((text, body[0]), (TEXTS[0], body[1])):
+        ids, offsets = tiny.tokenizer.encode_with_offsets([doc], max_length=64)[0]
+        t = torch.tensor([ids])
+        with torch.inference_mode():
+            states = tiny.last_hidden(t, torch.ones_like(t))[0].numpy()
+        bounds = [[a, min(a + 16, len(ids))] for a in range(0, len(ids), 16)]
+        assert [p["tokens"] for p in got["pieces"]] == bounds  # cut from the first token, the last shorter
+        want = np.stack([states[a:b].mean(0) for a, b in bounds])
+        np.testing.assert_allclose([p["embedding"] for p in got["pieces"]], unit(want), atol=1e-5)
+        # each piece's characters are its content tokens' text, in order, and the pieces tile the text
+        for p, (a, b) in zip(got["pieces"], bounds):
+            content = [o for o in offsets[a:b] if o != (0, 0)]
+            assert p["chars"] == ([content[0][0], content[-1][1]] if content else [p["chars"][0]] * 2)
+        starts = [p["chars"][0] for p in got["pieces"]]
+        assert starts == sorted(starts) and got["pieces"][0]["chars"][0] == 0
+        assert got["pieces"][-1]["chars"][1] == len(doc)
+    assert text[slice(*body[0]["pieces"][1]["chars"])] == "it, part2 of it, part3 of it, part4 of it"  # tokens 16-31
+    # normalize false: the plain means, the document vector /embed's normalize false
+    plain = raw.json()[0]
+    np.testing.assert_allclose(plain["embedding"], direct_embed(tiny, [text])[0], atol=1e-5)
+    assert abs(np.linalg.norm(plain["pieces"][0]["embedding"]) - 1) > 1e-3
+    # one token per piece: the token states themselves; the special tokens' pieces have no text
+    one = tokens.json()[0]["pieces"]
+    assert one[0]["chars"] == [0, 0] and one[-1]["chars"][0] == one[-1]["chars"][1] == len(TEXTS[0])
+    assert len(one) == len(tiny.tokenizer.encode(TEXTS[:1])[0]) and one[1]["chars"] == [0, 3]
+
+
 def test_openai_embeddings_float_base64_and_dimensions(tiny_dir, tiny, serve):
     async def main():
         async with serve(tiny_dir, chunk_overlap=16) as c:

@@ -176,6 +176,8 @@ def test_openapi_states_the_deployments_limits(tiny_dir, tiny_classifier_dir, se
     assert s["EmbedRequest"]["properties"]["hashes"]["anyOf"][0] | {"description": ""} == {
         "type": "integer", "minimum": 0, "maximum": 16, "description": ""}
     assert s["OpenAIEmbeddingRequest"]["properties"]["dimensions"]["anyOf"][0]["maximum"] == 32
+    assert s["EmbedPiecesRequest"]["properties"]["piece_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1,
+                                                                             "maximum": 64}
     ids = s["DecodeRequest"]["properties"]["ids"]["oneOf"]
     assert "maxItems" not in ids[0] and ids[1]["maxItems"] == 4 and ids[0]["items"]["maximum"] == 30521
     # no head: /classify needs labels, /predict is not offered, and POST / takes /embed's or /similarity's body
