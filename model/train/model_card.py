@@ -231,7 +231,7 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         f"stdlib html.parser; train / held-out split by page (SHA-1 of the path, 10 %): "
         f"{counts['pages']['train']} train pages, {counts['pages']['heldout']} held-out pages; "
         f"{counts['train_passages']} training passages (≤ 160 words), {counts['heldout_passages']} held-out passages.", "",
-        f"Stages 3–6: long documents from Debian documentation packages (pages cut at paragraph edges into parts of at "
+        f"Stages 3–5: long documents from Debian documentation packages (pages cut at paragraph edges into parts of at "
         f"most 4000 tokens): {docs['train_docs']} training documents ({docs['train_tokens'] / 1e6:.1f}M tokens; "
         f"{by_source}); {docs['heldout_docs']} held-out documents (5 % of the pages of those sources, split by page); "
         f"PostgreSQL 15's documentation (postgresql-doc-15) kept out of training entirely: {docs['transfer_docs']} "
