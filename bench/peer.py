@@ -10,7 +10,10 @@ with ``max_seq_length`` 512 (its position table) instead of 256, so "truncated" 
 * short texts, 128 tokens, one per request: req/s and p50/p95 latency at concurrency 1, 8, 32;
 * long documents, 1000–4000 tokens (mean about 2500), one per request: docs/s for yoso-serve in one
   pass, for infinity over 240-token windows (all of a document's windows in one request, their
-  vectors averaged and renormalised on the client), and for infinity truncated at 512.
+  vectors averaged and renormalised on the client), and for infinity truncated at 512;
+* the same documents indexed piece by piece: yoso-serve's ``/embed_pieces`` (one pass, a vector per
+  128-token piece and the document's own) against infinity embedding every 128-token window of a
+  document (one request per document, each window a vector of its own).
 
 Texts are cut at token boundaries from the Python documentation's reStructuredText sources that
 Debian installs (python3.11-doc), the same tokenizer counting for both models. Every cell is
@@ -49,7 +52,7 @@ SECTION = "## Served side by side with infinity-emb"
 SOURCES = Path("/usr/share/doc/python3.11/html/_sources")  # Debian's python3.11-doc; never man pages
 PEER_NAME = "all-MiniLM-L6-v2"
 READY_S = 600.0
-SHORT_TOKENS, WINDOW_TOKENS, PEER_MAX = 128, 240, 512
+SHORT_TOKENS, WINDOW_TOKENS, PIECE_TOKENS, PEER_MAX = 128, 240, 128, 512
 
 
 def corpus(chars: int) -> str:
@@ -65,9 +68,9 @@ def corpus(chars: int) -> str:
     return "\n\n".join(parts)
 
 
-def cut(n_short: int, n_docs: int, seed: int = 0) -> tuple[list[str], list[str], list[list[str]]]:
-    """Short texts, documents and each document's windows, cut from the corpus at token boundaries
-    (lengths count the two special tokens)."""
+def cut(n_short: int, n_docs: int, seed: int = 0) -> tuple[list[str], list[str], dict[int, list[list[str]]]]:
+    """Short texts, documents and each document's windows of WINDOW_TOKENS and of PIECE_TOKENS tokens (size →
+    per document), cut from the corpus at token boundaries (lengths count the two special tokens)."""
     from yoso_serve.model import TextTokenizer
     from yoso_serve.model.default import minilm_dir
 
@@ -87,12 +90,14 @@ def cut(n_short: int, n_docs: int, seed: int = 0) -> tuple[list[str], list[str],
         return text[span[0][0]: span[-1][1]], [(a - span[0][0], b - span[0][0]) for a, b in span]
 
     shorts = [take(SHORT_TOKENS - 2)[0] for _ in range(n_short)]
-    docs, windows = [], []
+    docs, windows = [], {WINDOW_TOKENS: [], PIECE_TOKENS: []}
     for n in doc_lengths:
         doc, spans = take(int(n) - 2)
         docs.append(doc)
-        step = WINDOW_TOKENS - 2
-        windows.append([doc[spans[i][0]: spans[min(i + step, len(spans)) - 1][1]] for i in range(0, len(spans), step)])
+        for size, per_doc in windows.items():
+            step = size - 2
+            per_doc.append([doc[spans[i][0]: spans[min(i + step, len(spans)) - 1][1]]
+                            for i in range(0, len(spans), step)])
     return shorts, docs, windows
 
 
@@ -221,6 +226,17 @@ def windowed_mean(key, body: bytes) -> bool:
     return bool(np.isfinite(mean / np.linalg.norm(mean)).all())
 
 
+def all_windows(key, body: bytes, windows: dict) -> bool:
+    """Every window of the document came back as a vector of its own."""
+    return len(json.loads(body)["data"]) == len(windows[key])
+
+
+def pieces(key, body: bytes) -> bool:
+    """/embed_pieces answered the document's vector and at least one piece vector."""
+    doc = json.loads(body)[0]
+    return len(doc["embedding"]) > 0 and len(doc["pieces"]) > 0
+
+
 async def measure(server: str, port: int, shorts, docs, windows, args) -> dict:
     """Every cell of one server, in order; a dict of label → cell."""
     out = {}
@@ -236,10 +252,16 @@ async def measure(server: str, port: int, shorts, docs, windows, args) -> dict:
     long_args = (args.long_concurrency, len(docs), args.long_seconds)
     if server == "yoso":
         out["long one pass"] = await cell(port, "/embed", {i: {"inputs": d} for i, d in enumerate(docs)}, *long_args)
+        out["long pieces"] = await cell(port, "/embed_pieces", {i: {"inputs": d, "piece_tokens": PIECE_TOKENS}
+                                                               for i, d in enumerate(docs)}, *long_args, check=pieces)
     else:
         out["long windows"] = await cell(port, "/embeddings", {i: {"model": PEER_NAME, "input": w}
-                                                               for i, w in enumerate(windows)}, *long_args,
-                                         check=windowed_mean)
+                                                               for i, w in enumerate(windows[WINDOW_TOKENS])},
+                                         *long_args, check=windowed_mean)
+        small = windows[PIECE_TOKENS]
+        out["long small windows"] = await cell(port, "/embeddings", {i: {"model": PEER_NAME, "input": w}
+                                                                     for i, w in enumerate(small)}, *long_args,
+                                               check=lambda key, body: all_windows(key, body, small))
         out["long truncated"] = await cell(port, "/embeddings", {i: {"model": PEER_NAME, "input": [d]}
                                                                  for i, d in enumerate(docs)}, *long_args)
     for label in [k for k in out if k.startswith("long")]:
@@ -257,13 +279,13 @@ def run_server(server: str, shorts, docs, windows, args, peer_model: Path | None
 
 
 def _median(runs: list[dict], server: str, label: str, key: str) -> float | None:
-    values = [r[server][label][key] for r in runs if server in r and r[server][label][key] is not None]
+    values = [r[server][label][key] for r in runs if label in r.get(server, {}) and r[server][label][key] is not None]
     return statistics.median(values) if values else None
 
 
 def _ratios(runs: list[dict], a: tuple[str, str], b: tuple[str, str]) -> list[float]:
     return [r[a[0]][a[1]]["rate"] / r[b[0]][b[1]]["rate"] for r in runs
-            if a[0] in r and b[0] in r and r[b[0]][b[1]]["rate"]]
+            if a[1] in r.get(a[0], {}) and b[1] in r.get(b[0], {}) and r[b[0]][b[1]]["rate"]]
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:
@@ -286,17 +308,23 @@ def tables(runs: list[dict], args) -> str:
                      f"{_ratio_text(ratios)} |")
     lines += ["", f"Long documents (1000–4000 tokens, mean about 2500), one per request, concurrency "
               f"{args.long_concurrency}, medians of {len(runs)} run(s):", "",
-              "| server, mode | docs/s | p50 / p95 (s) | yoso one pass / this (per run) |", "|---|---:|---:|---|"]
-    for server, label, name in (("yoso", "long one pass", "yoso-serve, whole document in one pass"),
-                                ("infinity", "long windows", f"infinity, {WINDOW_TOKENS}-token windows averaged"),
-                                ("infinity", "long truncated", f"infinity, truncated at {PEER_MAX}")):
-        if not any(server in r for r in runs):
+              "| server, mode | docs/s | p50 / p95 (s) | yoso / this (per run) |", "|---|---:|---:|---|"]
+    # each row: (server, cell, name, the yoso cell it is compared with: the same output, one vector or pieces)
+    for server, label, name, ours in (
+            ("yoso", "long one pass", "yoso-serve, whole document in one pass", None),
+            ("infinity", "long windows", f"infinity, {WINDOW_TOKENS}-token windows averaged", "long one pass"),
+            ("infinity", "long truncated", f"infinity, truncated at {PEER_MAX}", "long one pass"),
+            ("yoso", "long pieces", f"yoso-serve, one pass with its {PIECE_TOKENS}-token pieces (`/embed_pieces`)",
+             None),
+            ("infinity", "long small windows", f"infinity, each {PIECE_TOKENS}-token window its own vector",
+             "long pieces")):
+        if not any(label in r.get(server, {}) for r in runs):
             continue
         p50, p95 = _median(runs, server, label, "p50_ms"), _median(runs, server, label, "p95_ms")
-        ratios = [] if server == "yoso" else _ratios(runs, ("yoso", "long one pass"), (server, label))
+        ratios = [] if ours is None else _ratios(runs, ("yoso", ours), (server, label))
         lines.append(f"| {name} | {_fmt(_median(runs, server, label, 'rate'), '.2f')} | "
                      f"{_fmt(p50 and p50 / 1000, '.1f')} / {_fmt(p95 and p95 / 1000, '.1f')} | "
-                     f"{_ratio_text(ratios) if server != 'yoso' else '1'} |")
+                     f"{'1' if ours is None else _ratio_text(ratios)} |")
     return "\n".join(lines)
 
 
@@ -312,7 +340,7 @@ def plot(runs: list[dict], args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_s, ax_l) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_s, ax_l) = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.38
     xs = np.arange(len(args.concurrency))
     for i, (server, name) in enumerate((("yoso", "yoso-serve (auto)"), ("infinity", "infinity-emb, MiniLM"))):
@@ -323,9 +351,11 @@ def plot(runs: list[dict], args) -> None:
     ax_s.set_ylabel(f"req/s, {SHORT_TOKENS}-token texts")
     ax_s.legend()
     modes = [("yoso", "long one pass", "yoso-serve\none pass"), ("infinity", "long windows", "infinity\n240-token windows"),
-             ("infinity", "long truncated", f"infinity\ntruncated {PEER_MAX}")]
+             ("infinity", "long truncated", f"infinity\ntruncated {PEER_MAX}"),
+             ("yoso", "long pieces", f"yoso-serve\n{PIECE_TOKENS}-token pieces"),
+             ("infinity", "long small windows", f"infinity\neach {PIECE_TOKENS}-token\nwindow")]
     ax_l.bar([m[2] for m in modes], [_median(runs, s, label, "rate") or 0 for s, label, _ in modes],
-             color=["C0", "C1", "C1"])
+             color=["C0" if s == "yoso" else "C1" for s, *_ in modes])
     ax_l.set_ylabel(f"docs/s, mean 2.5k tokens, concurrency {args.long_concurrency}")
     for ax in (ax_s, ax_l):
         ax.grid(True, axis="y", alpha=0.3)
