@@ -154,7 +154,7 @@ def client_snippets() -> list[str]:
 
 def test_docs_client_snippets_run_as_written(servers, capsys):
     snippets = client_snippets()
-    assert len(snippets) == 4
+    assert len(snippets) == 5
     plain, head = servers
     for snippet in snippets:
         # the text_classification snippet needs the model with a classification head
