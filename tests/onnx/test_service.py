@@ -26,7 +26,8 @@ def _ask(model_dir, serve, **settings):
             singles = await asyncio.gather(*(c.post("/embed", json={"inputs": t}) for t in TEXTS))
             classified = await c.post("/classify", json={"inputs": TEXTS[:2], "raw_scores": True})
             wrong = await c.post("/embed", json={"inputs": "hello", "hashes": 4})
-            return {"batch": batch, "singles": singles, "classify": classified, "wrong": wrong,
+            pieces = await c.post("/embed_pieces", json={"inputs": TEXTS, "piece_tokens": 32})
+            return {"batch": batch, "singles": singles, "classify": classified, "wrong": wrong, "pieces": pieces,
                     "info": await c.get("/info"), "metrics": await c.get("/metrics")}
 
     return asyncio.run(main())
@@ -43,6 +44,12 @@ def test_onnx_runtime_serves_the_torch_runtime_vectors(torch_dir, lsh_dir, serve
     torch_scores = [[s["score"] for s in row] for row in torch_run["classify"].json()]
     onnx_scores = [[s["score"] for s in row] for row in onnx_run["classify"].json()]
     np.testing.assert_allclose(onnx_scores, torch_scores, atol=1e-3)
+    # pieces come from the graph's token states: the torch runtime's, and the document vector /embed's
+    for got, want in zip(onnx_run["pieces"].json(), torch_run["pieces"].json()):
+        assert [q["tokens"] for q in got["pieces"]] == [q["tokens"] for q in want["pieces"]]
+        np.testing.assert_allclose([q["embedding"] for q in got["pieces"]], [q["embedding"] for q in want["pieces"]],
+                                   atol=1e-3)
+    np.testing.assert_allclose([d["embedding"] for d in onnx_run["pieces"].json()], expected, atol=1e-3)
     info = onnx_run["info"].json()
     assert info["runtime"] == "onnx" and info["backend"]["backend"] == "onnxruntime"
     assert info["backend"]["providers"] == ["CPUExecutionProvider"] and info["default_hashes"] == 16
