@@ -86,6 +86,11 @@ async def in_own_thread(fn: Callable[[], object], name: str) -> object:
     return await done
 
 
+def unit_rows(x: np.ndarray) -> np.ndarray:
+    """Rows of ``x`` scaled to unit length (a zero row stays zero)."""
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
 def _char_bounds(offsets: list[tuple[int, int]], bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Character bounds of each token range: from its first content token's start to its last one's stop;
     special tokens (offset (0, 0)) have no text, so a range of them only is empty where the text stopped."""
@@ -230,7 +235,7 @@ class Engine:
         if p.dimensions is not None:
             vectors = np.ascontiguousarray(vectors[:, : p.dimensions])
         if p.normalize:
-            vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+            vectors = unit_rows(vectors)
         return Output(vectors, usage)
 
     async def embed_all(self, p: HiddenParams, watch: Watch | None = None) -> Output:
@@ -248,35 +253,28 @@ class Engine:
         token state of each consecutive ``piece_tokens``-token piece (model/pieces.py), with each piece's
         token and character bounds: ``[(vector (d,), pieces (k, d), [(tok_a, tok_b)], [(char_a, char_b)])]``."""
         self._check_open()
-        hashes = self._hashes(p.hashes)
-        self._check_texts(p.texts)
-        if p.long_input == "chunk":
-            raise InvalidInput("long_input='chunk' would cut the one pass the pieces come from; use "
-                               "'truncate' or 'error' here", param="long_input")
         if self.model.config.pooling != "mean":
             raise InvalidInput("pieces are means of token states, and this model pools by its first token "
-                               "(pooling 'cls'); use /embed or /embed_all", param="piece_tokens")
+                               "(pooling 'cls'); use /embed or /embed_all")
         size = min(PIECE_TOKENS, self.max_length) if p.piece_tokens is None else p.piece_tokens
         if not 1 <= size <= self.max_length:
             raise InvalidInput(f"piece_tokens must be in [1, {self.max_length}] (the model's input length), got "
                                f"{size}", param="piece_tokens")
-        rows, usage = await self._run_whole_inputs(p, hashes, OutputKind.HIDDEN, watch)
+        hidden = await self.embed_all(p, watch)  # the token states of one pass per input
         tok = self.model.tokenizer
         encoded = await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, lambda: tok.encode_with_offsets(p.texts, max_length=self.max_length,
                                                                  truncation_side=p.truncation_direction))
         out = []
-        for states, (_, offsets) in zip(rows, encoded):
-            hidden = torch.from_numpy(states)[None]
-            sums, counts = segment_sums(hidden, torch.ones(hidden.shape[:2]), size)
+        for states, (_, offsets) in zip(hidden.value, encoded):
+            sums, counts = segment_sums(torch.from_numpy(states)[None], torch.ones(1, len(states)), size)
             vector = (sums.sum(1) / counts.sum(1, keepdim=True))[0].numpy()
             pieces = (sums / counts[..., None])[0].numpy()
             if p.normalize:
-                vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
-                pieces = pieces / np.maximum(np.linalg.norm(pieces, axis=1, keepdims=True), 1e-12)
+                vector, pieces = unit_rows(vector), unit_rows(pieces)
             bounds = piece_bounds(len(states), size)
             out.append((vector, pieces, bounds, _char_bounds(offsets, bounds)))
-        return Output(out, usage)
+        return Output(out, hidden.usage)
 
     async def classify(self, p: ClassifyParams, watch: Watch | None = None) -> Output:
         """Per input, ``[(label, score), ...]`` sorted by score, highest first."""

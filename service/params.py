@@ -28,13 +28,9 @@ class HiddenParams:
 
 
 @dataclass(frozen=True)
-class PiecesParams:
-    texts: list[str]
-    piece_tokens: int | None = None  # None: PIECE_TOKENS, or the input length if shorter
+class PiecesParams(HiddenParams):
+    piece_tokens: int | None = None  # None: the engine's PIECE_TOKENS, or the input length if shorter
     normalize: bool = True
-    truncation_direction: str = "right"
-    hashes: int | str | None = None
-    long_input: str = "truncate"  # "truncate" | "error"
 
 
 @dataclass(frozen=True)
