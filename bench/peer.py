@@ -350,10 +350,11 @@ def plot(runs: list[dict], args) -> None:
     ax_s.set_xlabel("concurrency")
     ax_s.set_ylabel(f"req/s, {SHORT_TOKENS}-token texts")
     ax_s.legend()
-    modes = [("yoso", "long one pass", "yoso-serve\none pass"), ("infinity", "long windows", "infinity\n240-token windows"),
-             ("infinity", "long truncated", f"infinity\ntruncated {PEER_MAX}"),
-             ("yoso", "long pieces", f"yoso-serve\n{PIECE_TOKENS}-token pieces"),
-             ("infinity", "long small windows", f"infinity\neach {PIECE_TOKENS}-token\nwindow")]
+    modes = [("yoso", "long one pass", "yoso-serve\none pass"),
+             ("infinity", "long windows", f"infinity\n{WINDOW_TOKENS}-token\nwindows"),
+             ("infinity", "long truncated", f"infinity\ntruncated\nat {PEER_MAX}"),
+             ("yoso", "long pieces", f"yoso-serve\none pass,\n{PIECE_TOKENS}-token\npieces"),
+             ("infinity", "long small windows", f"infinity\neach\n{PIECE_TOKENS}-token\nwindow")]
     ax_l.bar([m[2] for m in modes], [_median(runs, s, label, "rate") or 0 for s, label, _ in modes],
              color=["C0" if s == "yoso" else "C1" for s, *_ in modes])
     ax_l.set_ylabel(f"docs/s, mean 2.5k tokens, concurrency {args.long_concurrency}")
