@@ -312,3 +312,21 @@ def test_500_from_a_route_bug_is_caught_at_the_edge(tiny_dir, serve, caplog, met
     assert error_of(r, 500)["code"] == "internal" and "secret" not in r.text and internal == 1
     assert r.headers["x-request-id"]
     assert any("secret route detail" in (rec.exc_text or "") for rec in caplog.records)
+
+
+def test_embed_pieces_on_a_model_that_pools_its_first_token_is_a_clear_422(tiny_dir, tmp_path, serve):
+    """Pieces are means of token states: a CLS-pooled model has none to offer, and says where to go."""
+    from yoso_serve.model import load_pretrained, save_pretrained
+
+    model = load_pretrained(tiny_dir)
+    model.config.pooling = "cls"
+    cls_dir = save_pretrained(model, tmp_path / "cls")
+
+    async def main():
+        async with serve(cls_dir, chunk_overlap=16) as c:
+            return await c.post("/embed_pieces", json={"inputs": "hi"}), await c.post("/embed", json={"inputs": "hi"})
+
+    pieces, embed = asyncio.run(main())
+    err = error_of(pieces, 422)
+    assert "pools by its first token" in err["message"] and "/embed" in err["message"]
+    assert embed.status_code == 200  # the model still serves everything else
