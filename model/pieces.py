@@ -22,6 +22,15 @@ def segment_sums(hidden: torch.Tensor, attention_mask: torch.Tensor, size: int) 
     return sums, counts
 
 
+def piece_means(hidden: torch.Tensor, attention_mask: torch.Tensor,
+                size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From one :func:`segment_sums`: the mean over each row's real tokens (B, D) (mean pooling), each
+    piece's mean (B, k, D; zero for a piece past a row's end) and each piece's real-token count (B, k)."""
+    sums, counts = segment_sums(hidden, attention_mask, size)
+    whole = sums.sum(1) / counts.sum(1, keepdim=True).clamp_min(1.0)
+    return whole, sums / counts.clamp_min(1.0)[:, :, None], counts
+
+
 def piece_bounds(n_tokens: int, size: int) -> list[tuple[int, int]]:
     """The ``[start, stop)`` token positions of the pieces :func:`segment_sums` cuts a sequence of
     ``n_tokens`` into."""

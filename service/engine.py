@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from yoso_serve.model.hashes import HashesError, auto_crossover, hashes_header, resolve_hashes
-from yoso_serve.model.pieces import piece_bounds, segment_sums
+from yoso_serve.model.pieces import piece_bounds, piece_means
 
 from .admission import SPEED_PROBE, request_budget
 from .errors import ClientGone, InvalidInput, NotReady
@@ -267,9 +267,8 @@ class Engine:
                                                                  truncation_side=p.truncation_direction))
         out = []
         for states, (_, offsets) in zip(hidden.value, encoded):
-            sums, counts = segment_sums(torch.from_numpy(states)[None], torch.ones(1, len(states)), size)
-            vector = (sums.sum(1) / counts.sum(1, keepdim=True))[0].numpy()
-            pieces = (sums / counts[..., None])[0].numpy()
+            whole, means, _ = piece_means(torch.from_numpy(states)[None], torch.ones(1, len(states)), size)
+            vector, pieces = whole[0].numpy(), means[0].numpy()
             if p.normalize:
                 vector, pieces = unit_rows(vector), unit_rows(pieces)
             bounds = piece_bounds(len(states), size)

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from yoso_serve.model import EncoderModel, load_pretrained
-from yoso_serve.model.pieces import segment_sums
+from yoso_serve.model.pieces import piece_means
 
 from .common import add_common_arguments, prepare_model, start, train_options
 from .distill import fit_student, parse_hashes, set_hash_seeds
@@ -252,9 +252,9 @@ class LongDocLoss(nn.Module):
         as ``eval --segment`` cuts them); its positives are the pieces of its own document that overlap its
         block [span_lo, span_hi) (sequence positions). Returns the multi-positive InfoNCE and, without
         gradient, how often a span's best piece is a positive."""
-        sums, counts = segment_sums(hidden, mask, size)
-        b, k, d = sums.shape
-        pieces = F.normalize(sums / counts.clamp_min(1.0)[:, :, None], dim=-1).reshape(b * k, d)
+        _, means, counts = piece_means(hidden, mask, size)
+        b, k, d = means.shape
+        pieces = F.normalize(means, dim=-1).reshape(b * k, d)
         start = torch.arange(k, device=hidden.device) * size
         overlap = (start[None, :] < span_hi[:, None]) & (start[None, :] + size > span_lo[:, None])  # (S, k)
         positive = torch.zeros(len(spans), b, k, dtype=torch.bool, device=hidden.device)

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from yoso_serve.model import EncoderModel
 from yoso_serve.model.hashes import AUTO_EXACT_BELOW, resolve_hashes
-from yoso_serve.model.pieces import segment_sums
+from yoso_serve.model.pieces import piece_means
 
 from .longdoc import SENTENCE_BREAK, pad
 from .teacher import BertTeacher
@@ -182,11 +182,9 @@ class Embedders:
         if self.student.config.pooling != "mean":
             raise ValueError("segments of the one-pass student need mean pooling")
         hidden = self.student.last_hidden(ids, mask, hashes=count)
-        hs, ws = segment_sums(hidden, mask, segment)
-        hs = F.pad(hs, (0, 0, 0, k - hs.shape[1]))  # the batch may be shorter than the longest text
-        ws = F.pad(ws, (0, k - ws.shape[1]))[:, :, None]
-        pooled = hs.sum(1) / ws.sum(1).clamp_min(1.0)  # the mean over all tokens, from the same sums
-        return torch.cat([pooled[:, None], hs / ws.clamp_min(1.0)], dim=1)
+        pooled, means, _ = piece_means(hidden, mask, segment)  # the mean over all tokens, from the same sums
+        means = F.pad(means, (0, 0, 0, k - means.shape[1]))  # the batch may be shorter than the longest text
+        return torch.cat([pooled[:, None], means], dim=1)
 
     def teacher_truncated(self, texts: list[str]) -> torch.Tensor:
         seqs = self.tok.encode(texts, max_length=self.teacher.max_positions)
