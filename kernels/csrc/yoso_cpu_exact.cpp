@@ -56,6 +56,12 @@ void exact_forward(const ExactParams& p, int nthreads) {
   std::vector<float> own(p.kt == nullptr ? p.bh * p.d * p.n : 0);
   float* const kt = p.kt == nullptr ? own.data() : const_cast<float*>(p.kt);
   const int team = threads_for_heads(p, nthreads);
+  std::vector<int64_t> real(p.bh);  // per (batch*head): 1 + the last position whose keep is not 0
+  for (int64_t b = 0; b < p.bh; ++b) {
+    int64_t n = p.n;
+    while (n > 0 && p.keep[b * p.n + n - 1] == 0.f) --n;
+    real[b] = n;
+  }
 #pragma omp parallel num_threads(team)
   {
     if (p.kt == nullptr) {
@@ -65,13 +71,21 @@ void exact_forward(const ExactParams& p, int nthreads) {
     std::vector<float> tile(kQueryBlock * kKeyBlock), acc(kQueryBlock * p.dv);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < p.bh * blocks; ++item) {
-      const int64_t b = item / blocks, i0 = (item % blocks) * kQueryBlock, rows = std::min(kQueryBlock, p.n - i0);
+      const int64_t b = item / blocks, i0 = (item % blocks) * kQueryBlock;
       const float* keep = p.keep + b * p.n;
       const float* v = p.v + (b / p.heads) * p.v_stride[0] + (b % p.heads) * p.v_stride[1];
       float* out = p.out + (b / p.heads) * p.out_stride[0] + (b % p.heads) * p.out_stride[1];
+      // Only the rows and keys up to the last real position: padding past it changes neither the work's
+      // shape nor its bits, so a text gives the same output alone or padded in a batch (and padding is free).
+      const int64_t n = real[b], rows = std::max<int64_t>(0, std::min(kQueryBlock, n - i0));
+      if (rows == 0) {
+        for (int64_t r = 0; r < std::min(kQueryBlock, p.n - i0); ++r)
+          std::fill_n(out + (i0 + r) * p.out_stride[2], p.dv, 0.f);
+        continue;
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j0 = 0; j0 < p.n; j0 += kKeyBlock) {
-        const int64_t cols = std::min(kKeyBlock, p.n - j0);
+      for (int64_t j0 = 0; j0 < n; j0 += kKeyBlock) {
+        const int64_t cols = std::min(kKeyBlock, n - j0);
         simd::gemm(p.q + (b * p.n + i0) * p.d, p.d, kt + b * p.d * p.n + j0, p.n, rows, p.d, cols,
                    tile.data(), kKeyBlock, false);
         for (int64_t r = 0; r < rows; ++r)
@@ -79,8 +93,12 @@ void exact_forward(const ExactParams& p, int nthreads) {
         simd::gemm(tile.data(), kKeyBlock, v + j0 * p.v_stride[2], p.v_stride[2], rows, cols, p.dv, acc.data(), p.dv,
                    true);
       }
-      for (int64_t r = 0; r < rows; ++r) {  // padded queries give zero rows
+      for (int64_t r = 0; r < std::min(kQueryBlock, p.n - i0); ++r) {  // padded queries give zero rows
         float* o = out + (i0 + r) * p.out_stride[2];
+        if (r >= rows) {
+          std::fill_n(o, p.dv, 0.f);
+          continue;
+        }
         for (int64_t c = 0; c < p.dv; ++c) o[c] = acc[r * p.dv + c] * keep[i0 + r];
       }
     }

@@ -84,6 +84,22 @@ def test_fused_and_exact_bit_identical_across_thread_counts(ext, bh):
             assert torch.equal(got, first)
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "lsh"])
+def test_a_row_gives_the_same_bits_alone_or_padded_in_a_batch(oracles, exact):
+    """Padding after a text (a longer batch mate) changes none of its output bits: the exact kernel stops at
+    each row's last real key and query, so its blocks are those of the text alone (before, the key tail's
+    vector remainder moved results by ~1e-7, which bf16 dense layers amplified to ~1e-4 in an embedding)."""
+    args = dict(exact=True, hash_bits=8) if exact else dict(num_hashes=8, hash_bits=8, seed=4)
+    for length, padded in ((150, 300), (97, 1000), (256, 263), (1, 50)):
+        q, k, v = oracles.random_qkv(2, 3, padded, 32, seed=length)
+        mask = oracles.lengths_mask([padded, length], padded)
+        with torch.inference_mode():
+            batch = yoso_attention(q, k, v, mask, backend="cpp", **args)
+            alone = yoso_attention(*(x[1:, :, :length] for x in (q, k, v)), mask[1:, :length], backend="cpp", **args)
+        assert torch.equal(batch[1:, :, :length], alone), (length, padded)
+        assert not batch[1:, :, length:].any()  # padded queries read zeros
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_yoso_attention_same_bits_with_and_without_autograd(oracles, dtype):
     q, k, v = oracles.random_qkv(2, 3, 137, 48, seed=3, dtype=dtype)
