@@ -34,10 +34,12 @@ PLOT = ROOT / "docs" / "img" / "model_forward.png"
 SECTION = "## Model forward"
 WINDOW = 240  # what a user of a 512-token model does with a long text: windows of 238 tokens + [CLS], [SEP]
 WINDOWS = f"softmax, {WINDOW}-token windows"
-# mode -> (hash count, int8 hashing); None: the model's own setting (the bundled model hashes in int8).
-# WINDOWS: the softmax model over the same tokens cut into windows, all windows of a shape in one batch.
-MODES = {"softmax": (None, None), WINDOWS: (None, None), "YOSO-32": (32, None),
-         "YOSO-32, fp32 hashing": (32, False), "YOSO-E (exact)": (0, None)}
+# mode -> (hash count, int8 hashing, dense layers' GEMMs); None: the model's own setting (the bundled model
+# hashes in int8). WINDOWS: the softmax model over the same tokens cut into windows, all windows of a shape in
+# one batch. The bf16 modes run the dense layers' GEMMs in bf16 (the server's --dense-dtype bf16).
+MODES = {"softmax": (None, None, "fp32"), WINDOWS: (None, None, "fp32"), "YOSO-32": (32, None, "fp32"),
+         "YOSO-32, fp32 hashing": (32, False, "fp32"), "YOSO-E (exact)": (0, None, "fp32"),
+         "YOSO-32, bf16 dense": (32, None, "bf16"), f"{WINDOWS}, bf16 dense": (None, None, "bf16")}
 
 
 def set_int8_hashing(model, on: bool) -> None:
@@ -75,18 +77,23 @@ def measure(yoso, softmax, batch: int, n: int, repeats: int, clock=time.perf_cou
     mask = torch.ones_like(ids)
     windowed = windows(ids, yoso.tokenizer)
     served = bool(yoso.config.hash_int8)
-    runs = {mode: (softmax if hashes is None else yoso, hashes, served if int8 is None else int8)
-            for mode, (hashes, int8) in MODES.items()}
+    from yoso_serve.model.encoder import set_dense_dtype
+
+    runs = {mode: (softmax if hashes is None else yoso, hashes, served if int8 is None else int8, dense)
+            for mode, (hashes, int8, dense) in MODES.items()}
     times = {mode: [] for mode in runs}
     with torch.inference_mode():
         for _ in range(repeats + 1):  # the first round warms up
-            for mode, (model, hashes, int8) in runs.items():
+            for mode, (model, hashes, int8, dense) in runs.items():
                 if hashes is not None:
                     set_int8_hashing(model, int8)
+                set_dense_dtype(model, dense)
                 start = clock()
-                model.last_hidden(*(windowed if mode == WINDOWS else (ids, mask)), hashes=hashes)
+                model.last_hidden(*(windowed if mode.startswith(WINDOWS) else (ids, mask)), hashes=hashes)
                 times[mode].append(clock() - start)
         set_int8_hashing(yoso, served)
+        set_dense_dtype(yoso, "fp32")
+        set_dense_dtype(softmax, "fp32")
     times = {mode: t[1:] for mode, t in times.items()}
     return {mode: median(t) for mode, t in times.items()}
 
@@ -159,7 +166,8 @@ def main() -> None:
         write_section(SECTION,
             f"One forward of the bundled model ({args.model.name}: 6 layers, 384 hidden, 12 heads of 32, τ = 8, "
             f"YOSO-C width {yoso.config.conv_window}, {'int8' if yoso.config.hash_int8 else 'fp32'} hashing as "
-            f"served) with 32 hashes (and, for comparison, 32 hashes in fp32) and exact YOSO-E, against the same weights "
+            f"served) with 32 hashes (and, for comparison, 32 hashes in fp32, and 32 hashes with the dense layers' "
+            f"GEMMs in bf16) and exact YOSO-E, against the same weights "
             f"with softmax attention (`attention_type=\"softmax\"`, convolution dropped), random token ids, no "
             f"padding. The modes run interleaved inside each of {args.repeats} repeats in one process; "
             f"the median is shown. Command: `{command.strip()}`. Machine: {machine()}; 1/5/15-min load "

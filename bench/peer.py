@@ -189,7 +189,7 @@ def yoso_server(port: int) -> subprocess.Popen:
                           "--request-timeout", "900"], port, "/ready")
 
 
-def infinity_server(port: int, model: Path) -> subprocess.Popen:
+def infinity_server(port: int, model: Path, dtype: str = "auto") -> subprocess.Popen:
     exe = PEER_VENV / "bin" / "infinity_emb"
     if not exe.is_file():
         raise RuntimeError(f"infinity-emb is not installed in {PEER_VENV}: run `make bench-peer`")
@@ -197,7 +197,7 @@ def infinity_server(port: int, model: Path) -> subprocess.Popen:
            "DO_NOT_TRACK": "1"}
     return start("infinity", [str(exe), "v2", "--model-id", str(model), "--served-model-name", PEER_NAME,
                               "--engine", "torch", "--device", "cpu", "--no-bettertransformer", "--host", "127.0.0.1",
-                              "--port", str(port), "--log-level", "warning"], port, "/health", env)
+                              "--port", str(port), "--log-level", "warning", "--dtype", dtype], port, "/health", env)
 
 
 async def cell(port, path, bodies, concurrency, max_requests, max_seconds, check=None) -> dict:
@@ -271,7 +271,7 @@ async def measure(server: str, port: int, shorts, docs, windows, args) -> dict:
 
 def run_server(server: str, shorts, docs, windows, args, peer_model: Path | None) -> dict:
     port = free_port()
-    proc = yoso_server(port) if server == "yoso" else infinity_server(port, peer_model)
+    proc = yoso_server(port) if server == "yoso" else infinity_server(port, peer_model, args.peer_dtype)
     try:
         return asyncio.run(measure(server, port, shorts, docs, windows, args))
     finally:
@@ -397,6 +397,8 @@ def main() -> None:
     parser.add_argument("--long-concurrency", type=int, default=8)
     parser.add_argument("--long-seconds", type=float, default=150.0, help="most seconds per long cell")
     parser.add_argument("--yoso-only", action="store_true", help="skip the peer")
+    parser.add_argument("--peer-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="infinity's --dtype (its default auto is float32 on CPU)")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--from-json", type=Path, help="report a saved bench/out/peer.json instead of measuring")
     args = parser.parse_args()
@@ -414,7 +416,8 @@ def main() -> None:
     if args.write_docs and any("infinity" in r for r in runs):
         write_section(SECTION,
             f"`bench/peer.py` (`make bench-peer ARGS=\"--runs {args.runs} --write-docs\"`): yoso-serve with its "
-            f"defaults (the bundled model, `hashes=auto`) and infinity-emb 0.0.78 (torch engine, CPU) serving "
+            f"defaults (the bundled model, `hashes=auto`, `dense_dtype=auto`) and infinity-emb 0.0.78 (torch engine, "
+            f"CPU, `--dtype {getattr(args, 'peer_dtype', 'auto')}`) serving "
             f"all-MiniLM-L6-v2, each alone on loopback, texts cut from Debian's Python documentation sources. "
             f"Machine: {machine()}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
             f"(the background training paused, other work on the machine not).\n\n{md}\n\n![peer](img/{PLOT.name})")

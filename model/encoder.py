@@ -20,6 +20,7 @@ reversible layers (:mod:`.reversible`).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,18 @@ ONEDNN_LINEAR = _onednn_linear()
 FUSED_ACTIVATIONS = {"gelu": ("gelu", "none"), "relu": ("relu", "")}
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16: Zen 4, Cooper Lake, Sapphire
+    Rapids and later), where oneDNN's bf16 GEMM runs about twice as fast as fp32 (bench/linear.py). Read
+    from /proc/cpuinfo's flags; False where there is none (not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state-dict keys) whose inference forward on CPU in fp32
     runs oneDNN's GEMM instead of aten's BLAS call, optionally with the activation or the residual
@@ -77,32 +90,67 @@ class Linear(nn.Linear):
     ran the model's shapes at 87–154 GFLOP/s and oneDNN at 120–185 (bench/linear.py); these GEMMs are
     ~75 % of a short-text forward, and the separate GELU pass over the (rows, 1536) output
     another ~20 %. Anything with a gradient, another device or dtype, and tracing or export (ONNX)
-    take the plain ``F.linear``."""
+    take the plain ``F.linear``.
+
+    With ``bf16`` set (:func:`set_dense_dtype`; the server's ``--dense-dtype``), that same inference path
+    multiplies in bf16 (oneDNN, fp32 accumulation) with a bf16 copy of the weights: inputs and outputs are
+    rounded to bf16, outputs come back as fp32 (the residual add of :meth:`plus` in fp32), except
+    :meth:`activated`'s, which stays bf16 for the next GEMM that rounds it anyway. About 2x the GEMM speed where the CPU has bf16 instructions (:func:`native_bf16`);
+    the model's outputs move by about 1e-3 relative (docs/benchmarks.md, "Dense layers")."""
+
+    bf16 = False  # per instance: set_dense_dtype
 
     def _fast(self, x: torch.Tensor) -> bool:
-        return (ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32
+        return (ONEDNN_LINEAR is not None and x.device.type == "cpu"
+                and (x.dtype == torch.float32 or (self.bf16 and x.dtype == torch.bfloat16))
                 and self.weight.dtype == torch.float32 and x.dim() >= 2
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
                 and not torch.jit.is_tracing() and not torch.onnx.is_in_onnx_export()
                 and not torch.compiler.is_compiling())
 
+    def _operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(x, weight, bias) for oneDNN: as they are, or in bf16 with the weights' bf16 copy (made again
+        whenever the fp32 weights changed)."""
+        if not self.bf16:
+            return x, self.weight, self.bias
+        key = (self.weight._version, self.weight.data_ptr(),
+               None if self.bias is None else (self.bias._version, self.bias.data_ptr()))
+        if getattr(self, "_bf16_key", None) != key:
+            self._bf16 = (self.weight.detach().bfloat16(), None if self.bias is None else self.bias.detach().bfloat16())
+            self._bf16_key = key
+        return x.bfloat16(), *self._bf16
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fast(x):
-            return ONEDNN_LINEAR(x, self.weight, self.bias, "none", [], "")
+            return ONEDNN_LINEAR(*self._operands(x), "none", [], "").float()
         return F.linear(x, self.weight, self.bias)
 
     def activated(self, x: torch.Tensor, name: str, act) -> torch.Tensor:
-        """``act(self(x))``, where ``act`` is the activation ``hidden_act`` = ``name`` names."""
+        """``act(self(x))``, where ``act`` is the activation ``hidden_act`` = ``name`` names (bf16 in bf16 mode)."""
         if name in FUSED_ACTIVATIONS and self._fast(x):
             attr, algorithm = FUSED_ACTIVATIONS[name]
-            return ONEDNN_LINEAR(x, self.weight, self.bias, attr, [], algorithm)
+            return ONEDNN_LINEAR(*self._operands(x), attr, [], algorithm)
         return act(self(x))
 
     def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """``self(x) + other`` (``other`` shaped like the output)."""
-        if self._fast(x) and other.shape == (*x.shape[:-1], self.out_features) and other.dtype == x.dtype:
+        """``self(x) + other`` (``other`` shaped like the output; fp32 out)."""
+        if self._fast(x) and other.shape == (*x.shape[:-1], self.out_features) and other.dtype == torch.float32:
+            if self.bf16:  # the residual stream stays fp32: only the GEMM's output is rounded
+                return ONEDNN_LINEAR(*self._operands(x), "none", [], "").float().add_(other)
             return ONEDNN_LINEAR.binary(x, other, self.weight, self.bias, "add")
         return F.linear(x, self.weight, self.bias) + other
+
+
+DENSE_DTYPES = ("fp32", "bf16")
+
+
+def set_dense_dtype(module: nn.Module, dtype: str) -> None:
+    """Run the CPU inference GEMMs of every :class:`Linear` in ``module`` in ``dtype`` ("fp32" or "bf16")."""
+    if dtype not in DENSE_DTYPES:
+        raise ValueError(f"dense dtype must be one of {DENSE_DTYPES}, got {dtype!r}")
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.bf16 = dtype == "bf16"
 
 
 def layer_seed(hash_seed: int, layer_index: int) -> int:

@@ -62,10 +62,12 @@ class EncoderModel(nn.Module):
         return dict(self.config.id2label or {})
 
     def backend_info(self) -> dict:
-        """Which attention kernels run (C++/CUDA or pure PyTorch) and why, and how LSH codes are computed
-        (``hashing``: "fp32", or "int8" with the C++ body that runs it): what /info shows."""
+        """Which attention kernels run (C++/CUDA or pure PyTorch) and why, how LSH codes are computed
+        (``hashing``: "fp32", or "int8" with the C++ body that runs it) and the dense layers' CPU GEMMs
+        (``dense``: "fp32" or "bf16", see ``set_dense_dtype``): what /info shows."""
         info = backend_info()
         info["hashing"] = "int8" if self.config.hash_int8 else "fp32"
+        info["dense"] = "bf16" if any(getattr(m, "bf16", False) for m in self.modules()) else "fp32"
         if self.config.hash_int8:
             info["int8_hashing_body"] = int8_hashing_body()
         return info

@@ -142,6 +142,7 @@ def load_served_model(settings: ServeSettings) -> LoadedModel:
     the default model), so it runs before the server turns ready; any failure raises.
     """
     from yoso_serve.model import default_model_dir, load_pretrained
+    from yoso_serve.model.encoder import set_dense_dtype
     from yoso_serve.model.onnx_runtime import load_onnx
 
     device = settings.resolved_device()
@@ -149,6 +150,8 @@ def load_served_model(settings: ServeSettings) -> LoadedModel:
         return LoadedModel(load_onnx(settings.model, device=device), "onnx", "--runtime onnx")
     path = Path(settings.model or default_model_dir())
     model = load_pretrained(path, device=device)
+    if settings.runtime != "hybrid":  # torch serves it: its CPU GEMMs at --dense-dtype (CUDA ignores it)
+        set_dense_dtype(model, settings.resolved_dense_dtype())
     if settings.runtime == "torch":
         return LoadedModel(model, "torch", "--runtime torch")
     if settings.runtime == "hybrid":

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from yoso_serve.model import EncoderModel, load_pretrained
+from yoso_serve.model.encoder import DENSE_DTYPES, set_dense_dtype
 
 from . import retrieval
 from .common import read_texts, start
@@ -62,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--short-pairs", type=int, default=500, help="pairs in the short-retrieval task")
     p.add_argument("--hashes", default="0,8,16,32,64", help="hash counts to evaluate (0 = exact)")
     p.add_argument("--long-hashes", default="32", help="hash counts for --long-data")
+    p.add_argument("--dense-dtype", choices=DENSE_DTYPES, default="fp32",
+                   help="the student's CPU inference GEMMs (the server's --dense-dtype); the teacher stays fp32")
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--max-texts", type=int, default=0, help="score at most this many --data / --labelled texts")
     p.add_argument("--max-long-docs", type=int, default=0, help="score at most this many --long-data documents")
@@ -197,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
     if not session.dist.is_main:
         return 0
     model = load_pretrained(args.model, device=session.device)
+    set_dense_dtype(model, args.dense_dtype)
     if model.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer files")
     teacher = BertTeacher.from_dir(args.teacher, device=session.device) if args.teacher else None

@@ -167,3 +167,99 @@ def test_linear_takes_onednn_only_for_cpu_fp32_inference(monkeypatch):
     with torch.no_grad():
         torch.jit.trace(lin, x, check_trace=False)  # tracing (the ONNX exporter's route) records F.linear
     assert not calls
+
+
+def _bf16(t):
+    return None if t is None else t.bfloat16().float()
+
+
+def test_linear_in_bf16_multiplies_rounded_operands_and_keeps_rows_independent():
+    """set_dense_dtype(·, "bf16"): the inference GEMM is F.linear of the bf16-rounded input, weights and
+    bias (fp32 sums), rounded to bf16 and returned as fp32; the residual add of ``plus`` is fp32; a row gives
+    the same bits alone or in a batch; the weights' bf16 copy follows weight updates; anything with a
+    gradient still runs fp32 F.linear; "fp32" restores the fp32 path bit for bit."""
+    from yoso_serve.model import encoder
+
+    if encoder.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
+    torch.manual_seed(0)
+    lin = encoder.Linear(48, 80)
+    x = torch.randn(3, 40, 48)[:, ::2]
+    with torch.no_grad():
+        fp32 = lin(x)
+        encoder.set_dense_dtype(lin, "bf16")
+        out = lin(x)
+        assert out.dtype == torch.float32 and torch.equal(out, out.bfloat16().float())  # rounded to bf16
+        ref = torch.nn.functional.linear(_bf16(x), _bf16(lin.weight), _bf16(lin.bias))
+        torch.testing.assert_close(out, ref, rtol=2 ** -8, atol=1e-4)  # one bf16 rounding of the fp32 sum
+        assert (out - fp32).abs().max() > 1e-4  # it does take the bf16 path
+        assert torch.equal(lin(x[1:2]), out[1:2]) and torch.equal(lin(x[:, 5:6]), out[:, 5:6])
+        act = lin.activated(x, "gelu", torch.nn.functional.gelu)
+        assert act.dtype == torch.bfloat16  # stays bf16 for the next GEMM
+        torch.testing.assert_close(act.float(), torch.nn.functional.gelu(ref), rtol=2 ** -7, atol=1e-3)
+        other = torch.randn(3, 20, 80) * 100  # the residual stream: large, and kept exact
+        torch.testing.assert_close(lin.plus(x, other), out + other, rtol=0, atol=1e-4)
+        nxt = encoder.Linear(80, 48)
+        encoder.set_dense_dtype(nxt, "bf16")
+        torch.testing.assert_close(nxt(act), nxt(act.float()), rtol=0, atol=0)  # a bf16 input is taken as is
+        lin.weight.mul_(2)  # in place: the bf16 copy must follow
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(_bf16(x), _bf16(lin.weight), _bf16(lin.bias)),
+                                   rtol=2 ** -8, atol=1e-4)
+        lin.weight.div_(2)
+    y = lin(x)  # training: fp32 F.linear with its gradient
+    torch.testing.assert_close(y, fp32, rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+    assert lin.weight.grad is not None
+    with torch.no_grad():
+        encoder.set_dense_dtype(lin, "fp32")
+        assert torch.equal(lin(x), fp32)
+    with pytest.raises(ValueError, match="fp32"):
+        encoder.set_dense_dtype(lin, "fp16")
+
+
+def test_native_bf16_reads_the_cpu_flags(monkeypatch, tmp_path):
+    from yoso_serve.model import encoder
+
+    info = tmp_path / "cpuinfo"
+    real = encoder.Path
+
+    def fake(path):
+        return info if str(path) == "/proc/cpuinfo" else real(path)
+
+    monkeypatch.setattr(encoder, "Path", fake)
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n")
+    assert not encoder.native_bf16()
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 avx512_vnni\n")
+    assert encoder.native_bf16()
+    info.write_text("flags\t\t: fpu amx_bf16 amx_tile\n")
+    assert encoder.native_bf16()
+    info.unlink()
+    assert not encoder.native_bf16()
+
+
+def test_bf16_dense_model_stays_near_fp32_and_row_independent():
+    """A whole model with bf16 dense layers: embeddings within 1e-3 cosine of fp32 in exact mode, and a text's
+    vector the same alone or beside a longer one (padding)."""
+    from yoso_serve.model import EncoderConfig, EncoderModel
+    from yoso_serve.model.encoder import set_dense_dtype
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bf16 linear")
+    torch.manual_seed(0)
+    config = EncoderConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=128, max_position_embeddings=64, use_expectation=False, num_hash=8,
+                           hash_code_len=4)
+    model = EncoderModel(config).eval()
+    ids = torch.randint(5, 100, (2, 48))
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0
+    with torch.inference_mode():
+        fp32 = model.embed(ids, mask, hashes=0)
+        set_dense_dtype(model, "bf16")
+        bf16 = model.embed(ids, mask, hashes=0)
+        assert torch.nn.functional.cosine_similarity(fp32, bf16).min() > 0.999
+        assert not torch.equal(fp32, bf16)
+        assert torch.equal(model.embed(ids[1:, :20], mask[1:, :20], hashes=0)[0], bf16[1])
+        assert model.backend_info()["dense"] == "bf16"
+        set_dense_dtype(model, "fp32")
+        assert model.backend_info()["dense"] == "fp32"

@@ -56,8 +56,10 @@ async def serving(model_dir: Path, *, wait_ready: bool = True, load_model=None, 
     The runtime is torch unless a test asks for another: these tests check the service against torch
     oracles whatever the default runtime (tests/onnx covers the others). For the same reason auto's
     exact switch is off unless asked for (auto_exact_below=0: auto runs the model's count on every
-    input, what these oracles compute); tests/service/test_auto_hashes.py covers the switch."""
-    settings = ServeSettings(model=model_dir, **{"runtime": "torch", "auto_exact_below": 0, **overrides})
+    input, what these oracles compute); tests/service/test_auto_hashes.py covers the switch. The dense
+    layers run fp32 (the oracles' precision) unless a test asks for bf16 (tests/service/test_dense_dtype.py)."""
+    settings = ServeSettings(model=model_dir, **{"runtime": "torch", "auto_exact_below": 0, "dense_dtype": "fp32",
+                                                 **overrides})
     app = create_app(settings, load_model=load_model, model_name="test-model" if load_model else None)
     async with app.router.lifespan_context(app):
         if wait_ready:

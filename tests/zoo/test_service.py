@@ -29,7 +29,7 @@ def softmax_dir(tmp_path_factory):
 
 
 async def _session(model_dir, requests):
-    app = create_app(ServeSettings(model=model_dir, chunk_overlap=16))
+    app = create_app(ServeSettings(model=model_dir, chunk_overlap=16, dense_dtype="fp32"))  # the oracles' precision
     async with app.router.lifespan_context(app):
         await app.state.startup
         transport = httpx.ASGITransport(app=app)

@@ -1,0 +1,76 @@
+"""--dense-dtype: the served model's CPU GEMMs in bf16 (or fp32), what auto picks, and that a bf16 server
+gives what the model gives directly in bf16, near fp32, and the same bits for a text alone or in a batch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from yoso_serve.model import encoder, load_pretrained
+from yoso_serve.service import ServeSettings
+from yoso_serve.service.cli import load_settings
+
+SHORT, LONG = "the quick brown fox", "jumps over the lazy dog and keeps running far away from the river bank"
+
+needs_bf16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                reason="this CPU has no oneDNN bf16 GEMM (no AVX-512)")
+
+
+def direct(model_dir, text: str, dense: str) -> np.ndarray:
+    model = load_pretrained(model_dir)
+    encoder.set_dense_dtype(model, dense)
+    ids = torch.tensor(model.tokenizer.encode([text]))
+    with torch.inference_mode():
+        return torch.nn.functional.normalize(model.embed(ids, torch.ones_like(ids)), dim=-1)[0].numpy()
+
+
+@needs_bf16
+def test_bf16_server_serves_the_bf16_model_and_stays_near_fp32(tiny_dir, serve):
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16, dense_dtype="bf16") as c:
+            both = await c.post("/embed", json={"inputs": [SHORT, LONG]})
+            alone = [await c.post("/embed", json={"inputs": t}) for t in (SHORT, LONG)]
+            crowd = await asyncio.gather(*(c.post("/embed", json={"inputs": t}) for t in [SHORT, LONG] * 3))
+            exact = [await c.post("/embed", json={"inputs": t, "hashes": 0}) for t in ([SHORT, LONG], SHORT)]
+            return (await c.get("/info")).json(), both, alone, crowd, exact
+
+    info, both, alone, crowd, exact = asyncio.run(main())
+    assert np.array_equal(np.array(exact[0].json()[0]), np.array(exact[1].json()[0]))  # exact mode too
+    assert info["backend"]["dense"] == "bf16"
+    served = np.array(both.json())
+    for row, text, one in zip(served, [SHORT, LONG], alone):
+        np.testing.assert_allclose(row, direct(tiny_dir, text, "bf16"), rtol=0, atol=1e-6)
+        assert np.array_equal(row, np.array(one.json()[0]))  # padded beside a longer text or alone: same bits
+        fp32 = direct(tiny_dir, text, "fp32")
+        assert float(row @ fp32) > 0.999 and not np.allclose(row, fp32, atol=1e-7)
+    for r, text in zip(crowd, [SHORT, LONG] * 3):
+        assert np.array_equal(np.array(r.json()[0]), served[[SHORT, LONG].index(text)])
+
+
+def test_fp32_server_says_so(tiny_dir, serve):
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16, dense_dtype="fp32") as c:
+            return (await c.get("/info")).json(), await c.post("/embed", json={"inputs": SHORT})
+
+    info, r = asyncio.run(main())
+    assert info["backend"]["dense"] == "fp32"
+    np.testing.assert_allclose(r.json()[0], direct(tiny_dir, SHORT, "fp32"), rtol=0, atol=1e-6)
+
+
+def test_auto_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch):
+    for native, expected in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(encoder, "native_bf16", lambda native=native: native)
+        assert load_settings([]).resolved_dense_dtype() == expected
+        assert load_settings(["--dense-dtype", "fp32"]).resolved_dense_dtype() == "fp32"
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert load_settings(["--dense-dtype", "bf16"]).resolved_dense_dtype() == "bf16"  # asked for: whatever auto says
+
+
+def test_bf16_without_a_bf16_gemm_fails_at_start_naming_the_fix(monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    with pytest.raises(ValueError, match="--dense-dtype bf16 but this CPU has no bf16 GEMM.*--dense-dtype fp32"):
+        ServeSettings(dense_dtype="bf16")
+    assert ServeSettings(dense_dtype="auto").dense_dtype == "auto"  # auto never fails: it falls back to fp32
