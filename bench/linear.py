@@ -1,6 +1,7 @@
 """The encoder's dense layers: aten's ``F.linear`` (the BLAS call torch makes, MKL in the CPU wheel)
 against the encoder's ``Linear`` (oneDNN's fp32 GEMM, with GELU or the residual add in its epilogue),
-on the MiniLM shapes of one layer, in GFLOP/s.
+and the same ``Linear`` with ``--dense-dtype bf16`` (bf16 operands, fp32 sums), on the MiniLM shapes of one
+layer, in GFLOP/s.
 
 Per row count (batch × tokens) each GEMM shape of a layer runs both ways, interleaved inside every
 repeat, each after a warm-up; the median of ``--repeats`` is shown. "epilogue" rows compare
@@ -33,7 +34,9 @@ GEMMS = [("Q, K, V, attention output", 384, 384, None), ("FFN in, + GELU", 384, 
 
 
 def measure(rows: int, repeats: int) -> list[dict]:
-    from yoso_serve.model.encoder import ONEDNN_LINEAR, Linear
+    import copy
+
+    from yoso_serve.model.encoder import ONEDNN_LINEAR, Linear, set_dense_dtype
 
     if ONEDNN_LINEAR is None:
         raise SystemExit("this torch has no oneDNN linear: nothing to compare")
@@ -41,14 +44,18 @@ def measure(rows: int, repeats: int) -> list[dict]:
     torch.manual_seed(0)
     for what, d_in, d_out, epilogue in GEMMS:
         lin = Linear(d_in, d_out).eval()
+        half = copy.deepcopy(lin)
+        set_dense_dtype(half, "bf16")  # --dense-dtype bf16: bf16 operands, fp32 sums, fp32 out
         x, r = torch.randn(rows, d_in), torch.randn(rows, d_out)
         if epilogue == "gelu":
             runs = {"aten": lambda: F.gelu(F.linear(x, lin.weight, lin.bias)),
-                    "oneDNN": lambda: lin.activated(x, "gelu", F.gelu)}
+                    "oneDNN": lambda: lin.activated(x, "gelu", F.gelu),
+                    "bf16": lambda: half.activated(x, "gelu", F.gelu)}
         elif epilogue == "add":
-            runs = {"aten": lambda: F.linear(x, lin.weight, lin.bias) + r, "oneDNN": lambda: lin.plus(x, r)}
+            runs = {"aten": lambda: F.linear(x, lin.weight, lin.bias) + r, "oneDNN": lambda: lin.plus(x, r),
+                    "bf16": lambda: half.plus(x, r)}
         else:
-            runs = {"aten": lambda: F.linear(x, lin.weight, lin.bias), "oneDNN": lambda: lin(x)}
+            runs = {"aten": lambda: F.linear(x, lin.weight, lin.bias), "oneDNN": lambda: lin(x), "bf16": lambda: half(x)}
         times: dict[str, list[float]] = {k: [] for k in runs}
         with torch.inference_mode():
             for fn in runs.values():
@@ -64,13 +71,15 @@ def measure(rows: int, repeats: int) -> list[dict]:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| rows | GEMM (in → out) | aten ms | GFLOP/s | oneDNN ms | GFLOP/s | aten / oneDNN time |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| rows | GEMM (in → out) | aten ms | GFLOP/s | oneDNN ms | GFLOP/s | aten / oneDNN time "
+             "| oneDNN bf16 ms | GFLOP/s | fp32 / bf16 time |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         g = GEMMS[[w for w, *_ in GEMMS].index(r["what"])]
         lines.append(f"| {r['rows']} | {r['what']} ({g[1]} → {g[2]}) | {r['aten'] * 1e3:.2f} | "
                      f"{r['flops'] / r['aten'] / 1e9:.0f} | {r['oneDNN'] * 1e3:.2f} | "
-                     f"{r['flops'] / r['oneDNN'] / 1e9:.0f} | {r['aten'] / r['oneDNN']:.2f}× |")
+                     f"{r['flops'] / r['oneDNN'] / 1e9:.0f} | {r['aten'] / r['oneDNN']:.2f}× | {r['bf16'] * 1e3:.2f} | "
+                     f"{r['flops'] / r['bf16'] / 1e9:.0f} | {r['oneDNN'] / r['bf16']:.2f}× |")
     return "\n".join(lines)
 
 
@@ -91,7 +100,7 @@ def main() -> None:
     print(f"machine: {machine()}; load average at the end {load}\ncommand: {command}\n\n{md}")
     if args.write_docs:
         write_section(SECTION, f"The dense layers of one MiniLM-L6 layer, aten's `F.linear` (MKL) against the "
-                      f"encoder's `Linear` (oneDNN, epilogue fused), medians of {args.repeats} interleaved runs. "
+                      f"encoder's `Linear` (oneDNN, epilogue fused) in fp32 and in bf16 (`--dense-dtype bf16`), medians of {args.repeats} interleaved runs. "
                       f"Command: `{command.strip()}`. Machine: {machine()}; load average at the end {load}."
                       f"\n\n{md}")
 
