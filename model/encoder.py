@@ -95,8 +95,9 @@ class Linear(nn.Linear):
     With ``bf16`` set (:func:`set_dense_dtype`; the server's ``--dense-dtype``), that same inference path
     multiplies in bf16 (oneDNN, fp32 accumulation) with a bf16 copy of the weights: inputs and outputs are
     rounded to bf16, outputs come back as fp32 (the residual add of :meth:`plus` in fp32), except
-    :meth:`activated`'s, which stays bf16 for the next GEMM that rounds it anyway. About 2x the GEMM speed where the CPU has bf16 instructions (:func:`native_bf16`);
-    the model's outputs move by about 1e-3 relative (docs/benchmarks.md, "Dense layers")."""
+    :meth:`activated`'s, which stays bf16 for the next GEMM that rounds it anyway. About 1.7x the GEMM
+    speed where the CPU has bf16 instructions (:func:`native_bf16`); the model's outputs move by about
+    1e-3 relative (docs/benchmarks.md, "bf16 GEMMs")."""
 
     bf16 = False  # per instance: set_dense_dtype
 

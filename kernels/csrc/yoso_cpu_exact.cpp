@@ -78,13 +78,8 @@ void exact_forward(const ExactParams& p, int nthreads) {
       // Only the rows and keys up to the last real position: padding past it changes neither the work's
       // shape nor its bits, so a text gives the same output alone or padded in a batch (and padding is free).
       const int64_t n = real[b], rows = std::max<int64_t>(0, std::min(kQueryBlock, n - i0));
-      if (rows == 0) {
-        for (int64_t r = 0; r < std::min(kQueryBlock, p.n - i0); ++r)
-          std::fill_n(out + (i0 + r) * p.out_stride[2], p.dv, 0.f);
-        continue;
-      }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j0 = 0; j0 < n; j0 += kKeyBlock) {
+      for (int64_t j0 = 0; rows > 0 && j0 < n; j0 += kKeyBlock) {
         const int64_t cols = std::min(kKeyBlock, n - j0);
         simd::gemm(p.q + (b * p.n + i0) * p.d, p.d, kt + b * p.d * p.n + j0, p.n, rows, p.d, cols,
                    tile.data(), kKeyBlock, false);
@@ -93,12 +88,9 @@ void exact_forward(const ExactParams& p, int nthreads) {
         simd::gemm(tile.data(), kKeyBlock, v + j0 * p.v_stride[2], p.v_stride[2], rows, cols, p.dv, acc.data(), p.dv,
                    true);
       }
-      for (int64_t r = 0; r < std::min(kQueryBlock, p.n - i0); ++r) {  // padded queries give zero rows
+      // padded queries give zero rows (past the last real one acc is zero as well)
+      for (int64_t r = 0; r < std::min(kQueryBlock, p.n - i0); ++r) {
         float* o = out + (i0 + r) * p.out_stride[2];
-        if (r >= rows) {
-          std::fill_n(o, p.dv, 0.f);
-          continue;
-        }
         for (int64_t c = 0; c < p.dv; ++c) o[c] = acc[r * p.dv + c] * keep[i0 + r];
       }
     }
