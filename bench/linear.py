@@ -55,7 +55,8 @@ def measure(rows: int, repeats: int) -> list[dict]:
             runs = {"aten": lambda: F.linear(x, lin.weight, lin.bias) + r, "oneDNN": lambda: lin.plus(x, r),
                     "bf16": lambda: half.plus(x, r)}
         else:
-            runs = {"aten": lambda: F.linear(x, lin.weight, lin.bias), "oneDNN": lambda: lin(x), "bf16": lambda: half(x)}
+            runs = {"aten": lambda: F.linear(x, lin.weight, lin.bias), "oneDNN": lambda: lin(x),
+                    "bf16": lambda: half(x)}
         times: dict[str, list[float]] = {k: [] for k in runs}
         with torch.inference_mode():
             for fn in runs.values():
@@ -100,7 +101,8 @@ def main() -> None:
     print(f"machine: {machine()}; load average at the end {load}\ncommand: {command}\n\n{md}")
     if args.write_docs:
         write_section(SECTION, f"The dense layers of one MiniLM-L6 layer, aten's `F.linear` (MKL) against the "
-                      f"encoder's `Linear` (oneDNN, epilogue fused) in fp32 and in bf16 (`--dense-dtype bf16`), medians of {args.repeats} interleaved runs. "
+                      f"encoder's `Linear` (oneDNN, epilogue fused) in fp32 and in bf16 (`--dense-dtype bf16`), "
+                      f"medians of {args.repeats} interleaved runs. "
                       f"Command: `{command.strip()}`. Machine: {machine()}; load average at the end {load}."
                       f"\n\n{md}")
 
