@@ -222,7 +222,7 @@ class Engine:
             raise InvalidInput(f"dimensions must be in [1, {self.model.config.hidden_size}] (the "
                                f"model's hidden size), got {p.dimensions}", param="dimensions")
         t0 = time.monotonic()
-        pieces = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
+        pieces, _ = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
         usage = Usage(tokenize_ms=1000 * (time.monotonic() - t0))
         flat = [(i, ids, w) for i, windows in enumerate(pieces) for ids, w in windows]
         rows = await self._run([ids for _, ids, _ in flat], hashes, OutputKind.EMBED, p.pooling, usage, watch, [i for i, *_ in flat])
@@ -240,13 +240,19 @@ class Engine:
 
     async def embed_all(self, p: HiddenParams, watch: Watch | None = None) -> Output:
         """Last hidden states per input: a list of (n_tokens_i, d) float32 arrays."""
+        rows, usage, _ = await self._hidden_states(p, watch)
+        return Output(rows, usage)
+
+    async def _hidden_states(self, p: HiddenParams, watch: Watch | None, *,
+                             offsets: bool = False) -> tuple[list, Usage, list | None]:
+        """:meth:`embed_all`'s checks and pass; with ``offsets`` also each input's character offsets per token."""
         self._check_open()
         hashes = self._hashes(p.hashes)
         self._check_texts(p.texts)
         if p.long_input == "chunk":
             raise InvalidInput("long_input='chunk' is only for pooled embeddings (/embed); use "
                                "'truncate' or 'error' here", param="long_input")
-        return Output(*await self._run_whole_inputs(p, hashes, OutputKind.HIDDEN, watch))
+        return await self._run_whole_inputs(p, hashes, OutputKind.HIDDEN, watch, offsets=offsets)
 
     async def embed_pieces(self, p: PiecesParams, watch: Watch | None = None) -> Output:
         """Per input, from one pass: its pooled embedding (as :meth:`embed` without chunking) and the mean
@@ -260,20 +266,17 @@ class Engine:
         if not 1 <= size <= self.max_length:
             raise InvalidInput(f"piece_tokens must be in [1, {self.max_length}] (the model's input length), got "
                                f"{size}", param="piece_tokens")
-        hidden = await self.embed_all(p, watch)  # the token states of one pass per input
-        tok = self.model.tokenizer
-        encoded = await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, lambda: tok.encode_with_offsets(p.texts, max_length=self.max_length,
-                                                                 truncation_side=p.truncation_direction))
+        # the token states of one pass per input, and the character offsets of the same tokenisation
+        states, usage, offsets = await self._hidden_states(p, watch, offsets=True)
         out = []
-        for states, (_, offsets) in zip(hidden.value, encoded):
-            whole, means, _ = piece_means(torch.from_numpy(states)[None], torch.ones(1, len(states)), size)
+        for hidden, offs in zip(states, offsets):
+            whole, means, _ = piece_means(torch.from_numpy(hidden)[None], torch.ones(1, len(hidden)), size)
             vector, pieces = whole[0].numpy(), means[0].numpy()
             if p.normalize:
                 vector, pieces = unit_rows(vector), unit_rows(pieces)
-            bounds = piece_bounds(len(states), size)
-            out.append((vector, pieces, bounds, _char_bounds(offsets, bounds)))
-        return Output(out, hidden.usage)
+            bounds = piece_bounds(len(hidden), size)
+            out.append((vector, pieces, bounds, _char_bounds(offs, bounds)))
+        return Output(out, usage)
 
     async def classify(self, p: ClassifyParams, watch: Watch | None = None) -> Output:
         """Per input, ``[(label, score), ...]`` sorted by score, highest first."""
@@ -283,12 +286,14 @@ class Engine:
         return await zero_shot_classify(p, watch, embed=self.embed, check_texts=self._check_texts,
                                         max_labels=self.settings.max_client_batch_size)
 
-    async def _run_whole_inputs(self, p, hashes: int | str, kind: OutputKind, watch: Watch | None) -> tuple[list, Usage]:
-        """Tokenise p.texts (one window each: no chunking) and run them; (rows, usage)."""
+    async def _run_whole_inputs(self, p, hashes: int | str, kind: OutputKind, watch: Watch | None, *,
+                                offsets: bool = False) -> tuple[list, Usage, list | None]:
+        """Tokenise p.texts (one window each: no chunking) and run them; (rows, usage, each text's character
+        offsets per token when ``offsets``, else None)."""
         t0 = time.monotonic()
-        pieces = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
+        pieces, spans = await self._tokenize(p.texts, p.truncation_direction, p.long_input, offsets=offsets)
         usage = Usage(tokenize_ms=1000 * (time.monotonic() - t0))
-        return await self._run([w[0][0] for w in pieces], hashes, kind, None, usage, watch), usage
+        return await self._run([w[0][0] for w in pieces], hashes, kind, None, usage, watch), usage, spans
 
     async def _classify_head(self, p: ClassifyParams, watch: Watch | None) -> Output:
         if not self.model.has_classifier:
@@ -299,7 +304,7 @@ class Engine:
         if p.long_input == "chunk":
             raise InvalidInput("long_input='chunk' is not supported with a classification head; "
                                "use 'truncate' or 'error'", param="long_input")
-        rows, usage = await self._run_whole_inputs(p, hashes, OutputKind.CLASSIFY, watch)
+        rows, usage, _ = await self._run_whole_inputs(p, hashes, OutputKind.CLASSIFY, watch)
         logits = np.stack(rows)
         if p.raw_scores:
             scores = logits
@@ -393,33 +398,42 @@ class Engine:
         if self.settings.log_texts:
             log.info("inputs: %r", texts)
 
-    async def _tokenize(self, texts: list[str], side: str, long_input: str) -> list[list[tuple[list[int], int]]]:
-        """Per text, its windows ``(ids with specials, weight)``: one window unless chunked."""
+    async def _tokenize(self, texts: list[str], side: str, long_input: str, *, offsets: bool = False,
+                        ) -> tuple[list[list[tuple[list[int], int]]], list[list[tuple[int, int]]] | None]:
+        """Per text, its windows ``(ids with specials, weight)``: one window unless chunked; and with
+        ``offsets`` (not chunked) each text's character offsets per token, from the same tokenisation."""
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         with self.scheduler.checked(request_budget(self.settings.request_timeout), sum(map(len, texts))) as done:
-            pieces = await loop.run_in_executor(self._tokenize_pool, self._split, texts, side, long_input)
+            pieces, spans = await loop.run_in_executor(self._tokenize_pool, self._split, texts, side, long_input,
+                                                       offsets)
             done.lengths = [len(ids) for windows in pieces for ids, _ in windows]
         self.metrics.tokenize_duration.observe(time.monotonic() - t0)
         for n in done.lengths:
             self.metrics.input_length.observe(n)
-        return pieces
+        return pieces, spans
 
-    def _split(self, texts: list[str], side: str, long_input: str) -> list[list[tuple[list[int], int]]]:
+    def _split(self, texts: list[str], side: str, long_input: str, offsets: bool = False,
+               ) -> tuple[list[list[tuple[list[int], int]]], list[list[tuple[int, int]]] | None]:
         tok = self.model.tokenizer
-        if long_input == "truncate":
-            return [[(ids, len(ids))] for ids in tok.encode(texts, max_length=self.max_length,
-                                                             truncation_side=side)]
-        bare = tok.encode(texts, add_special_tokens=False)
+        if long_input != "chunk":
+            limit = self.max_length if long_input == "truncate" else None
+            if offsets:
+                encoded = tok.encode_with_offsets(texts, max_length=limit, truncation_side=side)
+            else:
+                encoded = [(ids, None) for ids in tok.encode(texts, max_length=limit, truncation_side=side)]
+            for i, (ids, _) in enumerate(encoded):
+                if len(ids) > self.max_length:
+                    raise InvalidInput(f"input {i} has {len(ids)} tokens, above the limit of {self.max_length}; "
+                                       "shorten it or send long_input='truncate' or 'chunk'", param="inputs")
+            return [[(ids, len(ids))] for ids, _ in encoded], [o for _, o in encoded] if offsets else None
+        if offsets:
+            raise ValueError("character offsets are for whole inputs, not chunks")
         out = []
-        for i, ids in enumerate(bare):
-            n = len(ids) + tok.num_special_tokens
-            if n > self.max_length and long_input == "error":
-                raise InvalidInput(f"input {i} has {n} tokens, above the limit of {self.max_length}; "
-                                   "shorten it or send long_input='truncate' or 'chunk'", param="inputs")
+        for ids in tok.encode(texts, add_special_tokens=False):
             out.append([(tok.wrap(ids[a:b]), w) for a, b, w in
                         chunk_windows(len(ids), self.window, self.settings.chunk_overlap)])
-        return out
+        return out, None
 
     async def _run(self, seqs: list[list[int]], hashes: int | str, kind: OutputKind, pooling: str | None,
                    usage: Usage, watch: Watch | None, owners: list[int] | None = None) -> list[np.ndarray]:

@@ -136,6 +136,35 @@ def test_embed_pieces_are_means_of_the_token_states_of_one_pass(tiny_dir, tiny, 
     assert len(one) == len(tiny.tokenizer.encode(TEXTS[:1])[0]) and one[1]["chars"] == [0, 3]
 
 
+
+def test_embed_pieces_tokenizes_once_and_its_offsets_follow_left_truncation(tiny_dir, tiny, serve, monkeypatch):
+    """One tokenisation gives the pass its ids and the pieces their characters, truncated on the side asked."""
+    from yoso_serve.model import TextTokenizer
+
+    calls = []
+    for name in ("encode", "encode_with_offsets"):
+        real = getattr(TextTokenizer, name)
+        monkeypatch.setattr(TextTokenizer, name, lambda self, *a, _real=real, _name=name, **k: (
+            calls.append(_name), _real(self, *a, **k))[1])
+    text = " ".join(f"word{i}" for i in range(80))  # above the tiny model's 64 positions
+
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            calls.clear()
+            return await c.post("/embed_pieces", json={"inputs": text, "piece_tokens": 16,
+                                                       "truncation_direction": "left"})
+
+    r = asyncio.run(main())
+    assert r.status_code == 200 and calls == ["encode_with_offsets"]
+    ids, offsets = tiny.tokenizer.encode_with_offsets([text], max_length=64, truncation_side="left")[0]
+    t = torch.tensor([ids])
+    with torch.inference_mode():
+        states = tiny.last_hidden(t, torch.ones_like(t))[0].numpy()
+    got = r.json()[0]["pieces"]
+    np.testing.assert_allclose([p["embedding"] for p in got], unit(np.stack([states[a:a + 16].mean(0)
+                                                                             for a in range(0, 64, 16)])), atol=1e-5)
+    assert got[-1]["chars"][1] == len(text) and got[0]["chars"][0] == offsets[1][0] > 0  # the text's tail
+
 def test_openai_embeddings_float_base64_and_dimensions(tiny_dir, tiny, serve):
     async def main():
         async with serve(tiny_dir, chunk_overlap=16) as c:
