@@ -54,10 +54,8 @@ class HybridEncoderModel:
 
     def backend_info(self) -> dict:
         """Both runtimes: ONNX Runtime's session for ``onnx_hashes``, the torch kernels for the rest."""
-        from yoso_serve.kernels import backend_info
-
         return {"backend": "onnxruntime+torch", "onnx_hashes": self.onnx_hashes, "export": str(self.export_dir),
-                "onnxruntime": self.onnx_model.backend_info(), "torch": backend_info()}
+                "onnxruntime": self.onnx_model.backend_info(), "torch": self.torch_model.backend_info()}
 
     def runs_on_onnx(self, hashes: int | None) -> bool:
         """True when a call with ``hashes`` runs on ONNX Runtime."""

@@ -224,14 +224,16 @@ def _session(model_dir, serve, **settings):
 
 def test_the_app_serves_hybrid_and_says_so(torch_dir, cache, serve):
     # a crossover above every text: on hybrid, auto still serves the exported count (model/hashes.py)
-    out = _session(torch_dir, serve, runtime="hybrid", auto_exact_below=10_000)
+    # and bf16 dense layers asked for (auto where this CPU has none): the torch half stays fp32, as the graph is
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    out = _session(torch_dir, serve, runtime="hybrid", auto_exact_below=10_000, dense_dtype="bf16" if bf16 else "auto")
     info = out["info"].json()
     assert info["runtime"] == "hybrid" and info["runtime_reason"].startswith("--runtime hybrid")
     assert info["hashes"] == "auto" and info["auto_exact_below"] == 0  # the crossover is torch's
     backend = info["backend"]
     assert backend["backend"] == "onnxruntime+torch" and backend["onnx_hashes"] == info["default_hashes"] == 16
     assert backend["onnxruntime"]["providers"] == ["CPUExecutionProvider"]
-    assert backend["torch"]["backend"] in ("cpp", "torch")
+    assert backend["torch"]["backend"] in ("cpp", "torch") and backend["torch"]["dense"] == "fp32"
     assert Path(backend["export"]).parent == cache and (Path(backend["export"]) / "model.onnx").is_file()
     metrics = out["metrics"].text
     assert 'runtime="hybrid"' in metrics and 'backend="onnxruntime+torch"' in metrics
