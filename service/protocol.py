@@ -220,6 +220,11 @@ class PredictRequest(_Request):
 
 
 class RerankRequest(_Request):
+    # pieces come from one pass per text, so piece_tokens excludes long_input "chunk" (the engine's 422 says so)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"not": {
+        "required": ["piece_tokens", "long_input"],
+        "properties": {"piece_tokens": {"type": "integer"}, "long_input": {"const": "chunk"}}}})
+
     query: Text = Field(..., examples=["What is YOSO attention?"])
     texts: Annotated[list[Text], Field(min_length=1)] = Field(
         ..., examples=[["YOSO approximates softmax attention by hashing.", "Bananas are yellow."]])
@@ -230,12 +235,19 @@ class RerankRequest(_Request):
     long_input: LongInput = Field("truncate", description="Texts over the model's max length: cut, "
                                   "embedded in windows ('chunk'), or a 422.")
     hashes: HashCount = None
+    piece_tokens: Positive | None = Field(None, description="Score each text by its best piece of this many "
+                                          "tokens (the pieces of /embed_pieces, from the same one pass) instead of "
+                                          "its whole embedding, and name that piece in the answer. At most the "
+                                          "model's input length; not with long_input 'chunk'.")
 
-    def params(self) -> tuple[EmbedParams, EmbedParams]:
-        """(query, texts): two calls, so that ``texts`` alone counts against max_client_batch_size."""
+    def params(self) -> tuple[EmbedParams, EmbedParams | PiecesParams]:
+        """(query, texts): two calls, so that ``texts`` alone counts against max_client_batch_size; the texts
+        as pieces when ``piece_tokens`` is set."""
         common = dict(truncation_direction=self.truncation_direction, hashes=self.hashes,
                       long_input=_long_input(self.long_input, self.truncate))
-        return EmbedParams([self.query], **common), EmbedParams(list(self.texts), **common)
+        texts = (EmbedParams(list(self.texts), **common) if self.piece_tokens is None
+                 else PiecesParams(list(self.texts), piece_tokens=self.piece_tokens, **common))
+        return EmbedParams([self.query], **common), texts
 
 
 class SimilarityInput(_Request):
@@ -296,10 +308,16 @@ class DecodeRequest(_Request):
         return self.ids if isinstance(self.ids[0], list) else [self.ids]
 
 
+class RankPiece(BaseModel):
+    tokens: list[int] = Field(description="[start, stop) token positions of the text's best piece.")
+    chars: list[int] = Field(description="[start, stop) character offsets of its text.")
+
+
 class Rank(BaseModel):
     index: int
     score: float
     text: str | None = Field(None, description="Only with return_text.")
+    piece: RankPiece | None = Field(None, description="Only with piece_tokens: the piece that scored.")
 
 
 class ScoredLabel(BaseModel):

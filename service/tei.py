@@ -132,16 +132,31 @@ def add_tei_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/rerank", response_model=list[Rank], responses=ERRORS, response_model_exclude_none=True)
     async def rerank(body: RerankRequest, request: Request) -> Response:
-        """Texts ranked by cosine similarity to the query, best first."""
+        """Texts ranked by cosine similarity to the query, best first: of each text's embedding, or with
+        ``piece_tokens`` of its best piece (named in the answer)."""
         query_params, text_params = body.params()
         with _inputs_named("query"):
             query = await engine.embed(query_params, watch(request))
+        q = query.value[0]
         with _inputs_named("texts"):
-            texts = await engine.embed(text_params, watch(request))
-        cosines = texts.value @ query.value[0]
+            if body.piece_tokens is None:
+                texts = await engine.embed(text_params, watch(request))
+                cosines, best = texts.value @ q, None
+            else:
+                texts = await engine.embed_pieces(text_params, watch(request))
+                sims = [pieces @ q for _, pieces, _, _ in texts.value]
+                best = [int(np.argmax(s)) for s in sims]
+                cosines = np.array([s[b] for s, b in zip(sims, best)])
         scores = cosines if body.raw_scores else 1 / (1 + np.exp(-ZERO_SHOT_SCALE * (cosines - ZERO_SHOT_THRESHOLD)))
-        ranks = [{"index": i, "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}
-                 for i in np.argsort(-scores, kind="stable").tolist()]
+
+        def rank(i: int) -> dict:
+            out = {"index": i, "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}
+            if best is not None:
+                _, _, tokens, chars = texts.value[i]
+                out["piece"] = {"tokens": list(tokens[best[i]]), "chars": list(chars[best[i]])}
+            return out
+
+        ranks = [rank(i) for i in np.argsort(-scores, kind="stable").tolist()]
         usage = texts.usage
         usage.tokens += query.usage.tokens
         usage.inference_ms += query.usage.inference_ms

@@ -144,6 +144,34 @@ def test_rerank_orders_by_similarity_and_chunks_long_documents(tiny_dir, tiny, s
     assert strict.status_code == 422 and "limit of 64" in strict.json()["error"]["message"]
 
 
+def test_rerank_by_best_piece_scores_each_text_by_its_best_piece_and_names_it(tiny_dir, tiny, serve):
+    query = "a fox jumps"
+    docs = ["taxes and invoices", LONG, TEXTS[0]]
+
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            ranked = await c.post("/rerank", json={"query": query, "texts": docs, "piece_tokens": 16,
+                                                   "raw_scores": True, "return_text": True})
+            scored = await c.post("/rerank", json={"query": query, "texts": docs, "piece_tokens": 16})
+            pieces = await c.post("/embed_pieces", json={"inputs": docs, "piece_tokens": 16})
+            return ranked, scored, pieces
+
+    ranked, scored, pieces = asyncio.run(main())
+    q = direct_embed(tiny, [query])[0]
+    sims = [np.array([p["embedding"] for p in doc["pieces"]]) @ q for doc in pieces.json()]
+    best = np.array([s.max() for s in sims])
+    order = np.argsort(-best, kind="stable").tolist()
+    assert len(sims[1]) == 4  # the long document truncated to 64 tokens: four pieces, scored one by one
+    assert [x["index"] for x in ranked.json()] == order and [x["text"] for x in ranked.json()] == [docs[i] for i in order]
+    np.testing.assert_allclose([x["score"] for x in ranked.json()], best[order], atol=1e-5)
+    np.testing.assert_allclose([x["score"] for x in scored.json()], 1 / (1 + np.exp(-20 * (best[order] - 0.3))),
+                               atol=1e-4)
+    for x in ranked.json():
+        want = pieces.json()[x["index"]]["pieces"][int(np.argmax(sims[x["index"]]))]
+        assert x["piece"] == {"tokens": want["tokens"], "chars": want["chars"]}
+    assert best[1] > float(direct_embed(tiny, [LONG])[0] @ q)  # a piece beats the truncated whole here
+
+
 def test_decode_inverts_tokenize(tiny_dir, serve):
     async def main():
         async with serve(tiny_dir, chunk_overlap=16) as c:

@@ -91,7 +91,10 @@ def test_docs_curl_examples_work_as_written(server):
             assert np.array(data).shape == (1, hidden)
         if route == "/similarity":
             assert len(data) == 2 and data[0] > data[1]
-        if route == "/rerank":
+        if route == "/rerank" and "piece_tokens" in command:  # each text by its best 16-token piece, named
+            assert [r["index"] for r in data] == [0, 1] and all(set(r["piece"]) == {"tokens", "chars"} for r in data)
+            assert all(0 < r["piece"]["tokens"][1] - r["piece"]["tokens"][0] <= 16 for r in data)
+        elif route == "/rerank":
             assert [r["index"] for r in data] == [1, 0] and data[0]["text"].startswith("YOSO")
         if route == "/decode":
             assert data == ["hello"]
