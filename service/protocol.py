@@ -221,7 +221,7 @@ class PredictRequest(_Request):
 
 class RerankRequest(_Request):
     # pieces come from one pass per text, so piece_tokens excludes long_input "chunk" (the engine's 422 says so)
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"not": {
+    model_config = ConfigDict(json_schema_extra={"not": {  # merged with _Request's (extra forbid, strict)
         "required": ["piece_tokens", "long_input"],
         "properties": {"piece_tokens": {"type": "integer"}, "long_input": {"const": "chunk"}}}})
 
