@@ -174,9 +174,13 @@ def test_embed_pieces_of_the_default_model_find_the_paragraph_a_question_is_abou
             doc = await c.post("/embed_pieces", json={"inputs": document, "piece_tokens": 64})
             default = await c.post("/embed_pieces", json={"inputs": document})
             q = await c.post("/embed", json={"inputs": questions})
-            return doc.json()[0], default.json()[0], np.array(q.json())
+            # /rerank by pieces: the document against one paragraph of it alone, per question
+            ranked = [await c.post("/rerank", json={"query": question, "texts": [document, PARAGRAPHS[(i + 1) % 5]],
+                                                    "piece_tokens": 64, "raw_scores": True})
+                      for i, question in enumerate(questions)]
+            return doc.json()[0], default.json()[0], np.array(q.json()), [r.json() for r in ranked]
 
-    doc, default, q = asyncio.run(main())
+    doc, default, q, ranked = asyncio.run(main())
     assert all(b - a <= 128 for a, b in (p["tokens"] for p in default["pieces"]))
     assert default["pieces"][0]["tokens"] == [0, 128] and len(default["pieces"]) >= 3
     pieces = np.array([p["embedding"] for p in doc["pieces"]])
@@ -184,3 +188,7 @@ def test_embed_pieces_of_the_default_model_find_the_paragraph_a_question_is_abou
         best = doc["pieces"][int(np.argmax(pieces @ q[i]))]
         lo, hi = best["chars"]
         assert lo < spans[i][1] and hi > spans[i][0], (question, document[lo:hi])  # it overlaps the paragraph
+        # /rerank names the same piece, ranks the document above the other topic's paragraph, by that cosine
+        top = ranked[i][0]
+        assert top["index"] == 0 and top["piece"] == {"tokens": best["tokens"], "chars": best["chars"]}
+        assert top["score"] == pytest.approx(float((pieces @ q[i]).max()), abs=1e-5)
