@@ -11,10 +11,13 @@ Two measurements of one model (default: the bundled one), every count in one run
    (``{doc, source, blocks, tokens}``, what ``yoso-train longdoc-data`` writes); the default is the
    held-out PostgreSQL source of ``make default-model``'s work directory.
 
-Speed per count is the attention benchmark's business (bench/attention.py, bench/model.py); the op's
-time is linear in m (hash projections and cumulation both). Prints two markdown tables, writes
-docs/img/hashes.png, and with ``--write-docs`` replaces the "## Hash count against quality" section of
-docs/benchmarks.md. Quality figures do not depend on load: this may run beside other work.
+3. Speed (``--speed``): one forward of the whole model at each m and exact, as served (int8 hashing as the
+   model's config says, the dense layers' GEMMs in bf16 where the CPU has them, as ``--dense-dtype auto``),
+   random token ids, every mode interleaved inside each repeat and the median kept, so the ratios compare
+   forwards taken seconds apart. Unlike the quality parts this needs a quiet machine.
+
+Prints markdown tables, writes docs/img/hashes.png, and with ``--write-docs`` replaces the "## Hash count
+against quality" section of docs/benchmarks.md.
 
     PYTHONSAFEPATH=1 .venv/bin/python bench/hashes.py [--counts 8 16 32] [--write-docs]
 """
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 sys.path.append(str(Path(__file__).resolve().parent))
-from _sections import write_section  # noqa: E402
+from _sections import machine, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "model" / "bundled" / "yoso-minilm-l6-4096"
@@ -77,6 +80,29 @@ def deep_retrieval(model, rows: list[dict], counts: list[int], max_docs: int) ->
     return len(docs), out
 
 
+def speed(model, shapes: list[tuple[int, int]], counts: list[int], repeats: int) -> dict:
+    """(batch, n) -> {m: median seconds of one forward}, exact YOSO-E as m = 0, modes interleaved per repeat."""
+    from statistics import median
+
+    out = {}
+    modes = [*counts, 0]
+    bar = tqdm(total=len(shapes) * (repeats + 1) * len(modes), desc="speed", unit="forward")
+    with torch.inference_mode():
+        for batch, n in shapes:
+            ids = torch.randint(1000, 20000, (batch, n), generator=torch.Generator().manual_seed(n))
+            mask = torch.ones_like(ids)
+            times = {m: [] for m in modes}
+            for _ in range(repeats + 1):  # the first round warms up
+                for m in modes:
+                    start = time.perf_counter()
+                    model.last_hidden(ids, mask, hashes=m)
+                    times[m].append(time.perf_counter() - start)
+                    bar.update()
+            out[(batch, n)] = {m: median(t[1:]) for m, t in times.items()}
+    bar.close()
+    return out
+
+
 def plot(noise: dict, lengths: list[int], counts: list[int], path: Path) -> None:
     import matplotlib
 
@@ -106,6 +132,9 @@ def main() -> int:
     p.add_argument("--lengths", type=int, nargs="+", default=[288, 512, 1024, 2048, 3072])
     p.add_argument("--noise-docs", type=int, default=24, help="documents in the noise part")
     p.add_argument("--retrieval-docs", type=int, default=300)
+    p.add_argument("--speed", action="store_true", help="also time whole forwards at each count (quiet machine)")
+    p.add_argument("--shapes", nargs="+", default=["1x4096", "4x1024"], help="batch x N of the speed part")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved forwards per mode in the speed part")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--plot", type=Path, default=PLOT)
     p.add_argument("--write-docs", action="store_true")
@@ -117,9 +146,17 @@ def main() -> int:
                 "or pass a document JSONL")
     if any(m < 1 for m in args.counts) or any(n < 3 for n in args.lengths):
         p.error("--counts must be >= 1 (exact is the reference) and --lengths >= 3")
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
+    except ValueError:
+        p.error(f"--shapes must be BATCHxN, got {args.shapes}")
+    if args.repeats < 1 or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        p.error("--repeats must be >= 1 and --shapes BATCHxN with both >= 1")
 
     from yoso_serve.model import load_pretrained
     from yoso_serve.model.train.longdoc import read_documents
+
+    from yoso_serve.model.encoder import native_bf16, set_dense_dtype
 
     model = load_pretrained(args.model, device=torch.device("cpu"))
     rows = read_documents([args.data])
@@ -130,6 +167,11 @@ def main() -> int:
     docs = model.tokenizer.encode(texts, max_length=model.config.max_length)
     noise = noise_by_length(model, docs, args.lengths, args.counts)
     n_docs, deep = deep_retrieval(model, rows, args.counts, args.retrieval_docs)
+    dense = "bf16" if native_bf16() else "fp32"  # what the server's --dense-dtype auto picks on this CPU
+    if args.speed:
+        set_dense_dtype(model, dense)
+        timed = speed(model, shapes, args.counts, args.repeats)
+        set_dense_dtype(model, "fp32")
 
     head = "| tokens | " + " | ".join(f"{m} hashes" for m in args.counts) + " |"
     noise_table = [head, "|---:|" + "---:|" * len(args.counts)]
@@ -140,14 +182,24 @@ def main() -> int:
     for m in args.counts:
         r = deep[m]
         deep_table.append(f"| {m} | {r['recall_at_1']:.3f} | {r['mrr_at_10']:.3f} |")
+    speed_table = ["| batch × N | " + " | ".join(f"{m} hashes" for m in args.counts) + " | exact (YOSO-E) |",
+                   "|---|" + "---:|" * (len(args.counts) + 1)]
+    for (batch, n), t in (timed.items() if args.speed else ()):
+        speed_table.append(f"| {batch} × {n} | " + " | ".join(
+            f"{1e3 * t[m]:.0f} ms ({t[32 if 32 in t else max(args.counts)] / t[m]:.2f}×)" for m in [*args.counts, 0]) + " |")
+    speed_part = [f"Speed: one forward as served ({'int8' if model.config.hash_int8 else 'fp32'} hashing, dense "
+                  f"GEMMs in {dense}), median of {args.repeats} interleaved repeats; in brackets the speed-up "
+                  f"over {32 if 32 in args.counts else max(args.counts)} hashes:", "", *speed_table, ""] \
+        if args.speed else []
     command = "PYTHONSAFEPATH=1 .venv/bin/python bench/hashes.py " + " ".join(sys.argv[1:])
     body = "\n".join([
         f"Command: `{command.strip()}`; model `{args.model.name}`, data `{args.data.name}`, "
-        f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
+        f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: {machine()}.",
+        "",
         f"Mean (and lowest) cosine of the pooled embedding at m hashes to the exact YOSO-E embedding, "
         f"{len(docs)} documents truncated to each length:", "", *noise_table, "",
         f"Deep retrieval, {n_docs} documents of 1.2k–4k tokens (a paragraph from the second half finds its "
-        f"document; queries at `auto`, documents at m hashes):", "", *deep_table, "",
+        f"document; queries at `auto`, documents at m hashes):", "", *deep_table, "", *speed_part,
         "![hash count against quality](img/hashes.png)"])
     print(body)
     plot(noise, args.lengths, args.counts, args.plot)
