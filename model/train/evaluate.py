@@ -155,7 +155,7 @@ def classification(model: EncoderModel, examples, ids: list[torch.Tensor], *, ba
     return {**metrics, "examples": len(keep), "unknown_label_rows": len(examples) - len(keep)}
 
 
-TABLES = ("agreement", "long_agreement", "deep_retrieval", "short_retrieval")
+TABLES = ("agreement", "long_agreement", "deep_retrieval", "deep_margin", "short_retrieval")
 
 
 def retrieval_results(args: argparse.Namespace, model: EncoderModel, teacher: BertTeacher,
@@ -183,7 +183,8 @@ def retrieval_results(args: argparse.Namespace, model: EncoderModel, teacher: Be
         raise ValueError(f"--retrieval-data: {len(docs)} documents of {lo}..{hi} tokens with a late paragraph; need 2")
     firsts, rests = retrieval.short_pairs(rows, max_pairs=args.short_pairs, seed=args.seed)
     emb = retrieval.Embedders(model, teacher, hashes=hashes, window=args.window, device=device)
-    return {"deep_retrieval": retrieval.deep_retrieval(emb, docs, queries, segment=segment),
+    deep, margins = retrieval.deep_retrieval(emb, docs, queries, segment=segment)
+    return {"deep_retrieval": deep, "deep_margin": margins,
             "short_retrieval": retrieval.short_retrieval(emb, firsts, rests) if len(firsts) >= 2 else []}
 
 

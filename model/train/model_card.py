@@ -50,6 +50,14 @@ def _verdict(met: bool) -> str:
     return "met" if met else "not met"
 
 
+def _margin(results: dict | None) -> str:
+    """The one vector's margin over the averaged windows with its 95 % interval over documents, as the eval's
+    ``deep_margin`` table gives it ('' for results from before that table)."""
+    row = next(iter((results or {}).get("deep_margin", [])), None)
+    return "" if row is None else (f"{row['recall_at_1']:+.3f} (95 % interval over documents "
+                                   f"{row['ci95_low']:+.3f} to {row['ci95_high']:+.3f})")
+
+
 def training_time(rows: list[dict]) -> tuple[float, int]:
     """(wall-clock minutes, sessions) of a run's events when it may have been stopped and resumed:
     the sum over sessions (split at "start" / "resume" events) of first-to-last event time."""
@@ -327,7 +335,11 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         f"{_verdict(met['deep_recall_at_1'])}; short recall@1 at least {SHORT_RATIO} × the "
         f"teacher's: {_verdict(met['short_recall_at_1'])}."
         + (f" The same on the seven packages: {_verdict(met_unseen['deep_recall_at_1'])}; "
-           f"{_verdict(met_unseen['short_recall_at_1'])}." if unseen else ""), "",
+           f"{_verdict(met_unseen['short_recall_at_1'])}." if unseen else "")
+        + (f" The one vector's recall@1 minus the windowed teacher's: {_margin(transfer)} on PostgreSQL"
+           + (f", {_margin(unseen)} on the seven packages" if _margin(unseen) else "")
+           + ". An interval above zero says the model beats averaged windows there; one that holds the target "
+             "margin says these queries cannot tell whether the target is met." if _margin(transfer) else ""), "",
         "## Agreement with the teacher (no longer a target)", "",
         f"Texts ≤ 256 tokens ({(agreement_at(student, 32) or {}).get('texts', 0)} held-out passages):", "",
         *_table(student, converted), "",

@@ -84,26 +84,62 @@ def short_pairs(rows: list[dict], *, max_pairs: int, seed: int) -> tuple[list[st
     return firsts, rests
 
 
-def _ranked(sim: torch.Tensor) -> dict[str, float]:
-    """recall@1 and MRR@10 of (queries, documents) similarities where query j's answer is document j % n."""
+def _ranks(sim: torch.Tensor) -> torch.Tensor:
+    """(Q,) rank of each query's answer (0 = first) in (queries, documents) similarities where query j's
+    answer is document j % n; ties count in the answer's favour."""
     right = sim[torch.arange(len(sim)), torch.arange(len(sim)) % sim.shape[1]]
-    rank = (sim > right[:, None]).sum(1)  # 0 = first
+    return (sim > right[:, None]).sum(1)
+
+
+def _metrics(rank: torch.Tensor) -> dict[str, float]:
     rr = torch.where(rank < 10, 1.0 / (rank + 1).float(), torch.zeros_like(rank, dtype=torch.float))
     return {"recall_at_1": (rank == 0).float().mean().item(), "mrr_at_10": rr.mean().item()}
+
+
+def score_ranks(queries: torch.Tensor, corpus: torch.Tensor) -> torch.Tensor:
+    """Each query's rank of its answer, corpus row j % len(corpus), by cosine similarity."""
+    return _ranks(F.normalize(queries, dim=-1) @ F.normalize(corpus, dim=-1).T)
 
 
 def scores(queries: torch.Tensor, corpus: torch.Tensor) -> dict[str, float]:
     """Query j's answer is corpus row j % len(corpus) (row j with one query per row): recall@1 and MRR@10
     by cosine similarity."""
-    return _ranked(F.normalize(queries, dim=-1) @ F.normalize(corpus, dim=-1).T)
+    return _metrics(score_ranks(queries, corpus))
+
+
+def best_part_ranks(queries: torch.Tensor, parts: torch.Tensor, owner: torch.Tensor, n_docs: int) -> torch.Tensor:
+    """Each query's rank of its answer, document j % n_docs, a document scoring the best cosine of its parts
+    (rows of ``parts``, document ``owner[i]``)."""
+    sim = F.normalize(queries, dim=-1) @ F.normalize(parts, dim=-1).T  # (Q, parts)
+    return _ranks(torch.full((len(queries), n_docs), -2.0).scatter_reduce(
+        1, owner.expand(len(queries), -1), sim, reduce="amax"))
 
 
 def best_part_scores(queries: torch.Tensor, parts: torch.Tensor, owner: torch.Tensor, n_docs: int) -> dict[str, float]:
     """Multi-vector retrieval: a document's score is the best cosine of its parts (rows of ``parts``,
     document ``owner[i]``) with the query; query j's answer is document j % n_docs. recall@1 and MRR@10."""
-    sim = F.normalize(queries, dim=-1) @ F.normalize(parts, dim=-1).T  # (Q, parts)
-    return _ranked(torch.full((len(queries), n_docs), -2.0).scatter_reduce(
-        1, owner.expand(len(queries), -1), sim, reduce="amax"))
+    return _metrics(best_part_ranks(queries, parts, owner, n_docs))
+
+
+MARGIN_RESAMPLES = 2000
+
+
+def paired_margin(ranks_a: torch.Tensor, ranks_b: torch.Tensor, n_docs: int, *,
+                  resamples: int = MARGIN_RESAMPLES, seed: int = 0) -> dict[str, float]:
+    """recall@1 of method A minus method B on the same queries (query j asks for document j % n_docs), with
+    a 95 % percentile-bootstrap interval that resamples documents, a document's queries together: the draws
+    of one document stand or fall together, so resampling queries alone would make the interval too narrow."""
+    if ranks_a.shape != ranks_b.shape or len(ranks_a) == 0:
+        raise ValueError(f"paired ranks must have one shape and a query, got {tuple(ranks_a.shape)} and "
+                         f"{tuple(ranks_b.shape)}")
+    diff = (ranks_a == 0).float() - (ranks_b == 0).float()
+    doc = torch.arange(len(diff)) % n_docs
+    total = torch.zeros(n_docs).index_add_(0, doc, diff)
+    count = torch.zeros(n_docs).index_add_(0, doc, torch.ones_like(diff))
+    pick = torch.randint(n_docs, (resamples, n_docs), generator=torch.Generator().manual_seed(seed))
+    boot = total[pick].sum(1) / count[pick].sum(1).clamp_min(1)
+    low, high = torch.quantile(boot, torch.tensor([0.025, 0.975])).tolist()
+    return {"recall_at_1": diff.mean().item(), "ci95_low": low, "ci95_high": high}
 
 
 @torch.no_grad()
@@ -205,14 +241,18 @@ class Embedders:
         return out, vecs, owner_t
 
 
-def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str], *, segment: int = 0) -> list[dict]:
-    """One row per method: recall@1, MRR@10, documents per second (document embedding time only).
-
-    The three single-vector rows come first (one vector per document: what the task is about). With
+def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str], *,
+                   segment: int = 0) -> tuple[list[dict], list[dict]]:
+    """(rows, margins). One row per method: recall@1, MRR@10, documents per second (document embedding time
+    only). The three single-vector rows come first (one vector per document: what the task is about). With
     ``segment`` > 0, two multi-vector rows follow, from the same passes: the teacher's windows indexed
     one by one and the student's ``segment``-token pieces of its one pass, a document scoring its best
-    part (:func:`best_part_scores`)."""
-    rows, parts = [], {}
+    part (:func:`best_part_scores`).
+
+    margins: the student's recall@1 minus the teacher's on the same queries, with its 95 % interval
+    (:func:`paired_margin`): one vector against the averaged windows, and with ``segment`` the pieces
+    against the windows indexed one by one."""
+    rows, parts, ranks = [], {}, {}
     s_queries = emb.student_one_pass(queries)
     t_queries = emb.teacher_truncated(queries)
 
@@ -232,15 +272,22 @@ def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str], *, segme
         t0 = time.perf_counter()
         d = fn(docs)
         speed[name] = len(docs) / (time.perf_counter() - t0)
-        rows.append({"method": name, "docs": len(docs), "queries": len(q), **scores(q, d), "docs_per_s": speed[name]})
+        ranks[name] = score_ranks(q, d)
+        rows.append({"method": name, "docs": len(docs), "queries": len(q), **_metrics(ranks[name]),
+                     "docs_per_s": speed[name]})
+    pairs = [(methods[0][0], methods[1][0])]
     if segment:
         for name, who, base, q in ((f"multi-vector: teacher, each {emb.window}-token window, best", "teacher",
                                     methods[1][0], t_queries),
                                    (f"multi-vector: student, one pass, each {segment}-token segment, best", "student",
                                     methods[0][0], s_queries)):
-            rows.append({"method": name, "docs": len(docs), "queries": len(q),
-                         **best_part_scores(q, *parts[who], len(docs)), "docs_per_s": speed[base]})
-    return rows
+            ranks[name] = best_part_ranks(q, *parts[who], len(docs))
+            rows.append({"method": name, "docs": len(docs), "queries": len(q), **_metrics(ranks[name]),
+                         "docs_per_s": speed[base]})
+        pairs.append((rows[-1]["method"], rows[-2]["method"]))
+    margins = [{"student": a, "teacher": b, "docs": len(docs), "queries": len(queries),
+                **paired_margin(ranks[a], ranks[b], len(docs))} for a, b in pairs]
+    return rows, margins
 
 
 def short_retrieval(emb: Embedders, firsts: list[str], rests: list[str]) -> list[dict]:

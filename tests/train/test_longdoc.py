@@ -156,6 +156,23 @@ def test_pooled_draws_score_the_mean_of_the_separate_draws():
     assert both["mrr_at_10"] == pytest.approx((a["mrr_at_10"] + b["mrr_at_10"]) / 2)
 
 
+def test_paired_margin_is_the_recall_difference_with_an_interval_over_documents():
+    n = 40
+    # method A finds documents 0-29, method B documents 0-19: A leads by 10 of 40
+    a = torch.tensor([0] * 30 + [3] * 10)
+    b = torch.tensor([0] * 20 + [1] * 20)
+    got = retrieval.paired_margin(a, b, n)
+    assert got["recall_at_1"] == pytest.approx(0.25)
+    assert 0 < got["ci95_low"] < 0.25 < got["ci95_high"] < 0.5
+    assert retrieval.paired_margin(a, a, n) == {"recall_at_1": 0.0, "ci95_low": 0.0, "ci95_high": 0.0}
+    # a second draw that repeats the first (query j + n asks for document j too) adds no evidence: resampled
+    # by document, the interval stays the one of one draw; resampled by query it would narrow
+    twice = retrieval.paired_margin(a.repeat(2), b.repeat(2), n)
+    assert twice == pytest.approx(got)
+    with pytest.raises(ValueError, match="one shape"):
+        retrieval.paired_margin(a, b[:-1], n)
+
+
 def test_best_part_scores_rank_a_document_by_its_best_part():
     # doc 0 = parts 0, 1; doc 1 = part 2; doc 2 = parts 3, 4
     parts = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.7, 0.7], [-1.0, 0.0], [0.6, -0.8]])
@@ -431,7 +448,14 @@ def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, w
     for row in deep.values():
         assert row["docs"] == 6 and 0 <= row["recall_at_1"] <= row["mrr_at_10"] <= 1 and row["docs_per_s"] > 0
     assert [r["method"] for r in results["short_retrieval"]] == ["student", "teacher"]
-    assert "### deep_retrieval" in capsys.readouterr().out
+    margins = results["deep_margin"]
+    assert [(m["student"], m["teacher"]) for m in margins] == [(list(deep)[0], list(deep)[1]),
+                                                                (list(deep)[4], list(deep)[3])]
+    for m in margins:
+        assert m["recall_at_1"] == pytest.approx(deep[m["student"]]["recall_at_1"] - deep[m["teacher"]]["recall_at_1"])
+        assert m["ci95_low"] <= m["recall_at_1"] <= m["ci95_high"] and (m["docs"], m["queries"]) == (6, 6)
+    printed = capsys.readouterr().out
+    assert "### deep_retrieval" in printed and "### deep_margin" in printed
     for flag, value, message in (("--segment", "-1", "--segment must be >= 0"), ("--window", "2", "--window must be in 3..64"),
                                  ("--retrieval-tokens", "x", "--retrieval-tokens must be LO,HI")):
         assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
@@ -441,6 +465,7 @@ def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, w
                  "--window", "16", "--segment", "0", "--out", str(tmp_path / "single")]) == 0
     single = json.loads((tmp_path / "single" / "results.json").read_text())["deep_retrieval"]
     assert [r["method"] for r in single] == list(deep)[:3]
+    assert len(json.loads((tmp_path / "single" / "results.json").read_text())["deep_margin"]) == 1
     assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
                  "--window", "16", "--segment", "8", "--out", str(tmp_path / "finer")]) == 0
     finer = json.loads((tmp_path / "finer" / "results.json").read_text())["deep_retrieval"]

@@ -119,6 +119,7 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert "| teacher, 240-token windows averaged | 300 | 900 | 0.660 | 0.700 | 3.00 |" in card
     assert "drawn 3 times per document with 3 seeds and pooled" in card
     assert "deep recall@1 at least the windowed teacher's + 0.05: not met" in card
+    assert "minus the windowed teacher's" not in card  # results from before the eval's deep_margin table
     assert "short recall@1 at least 0.97 × the teacher's: met" in card
     assert "| stage 3's model, one pass | 300 | 900 | 0.500 | 0.550 | 2.00 |" in card
     assert "improves deep retrieval on the source kept out over every earlier stage measured: no" in card
@@ -174,12 +175,20 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     (winning / "longdoc-data-unseen").mkdir()
     (winning / "longdoc-data-unseen" / "counts.json").write_text(json.dumps(
         {"transfer_docs": 12, "transfer_by_source": {"pandas": 5, "vim": 7}}))
+    # the eval's deep_margin rows (the one vector against the averaged windows, with the interval over documents)
+    for name, (d, low, high) in (("retrieval-transfer", (0.09, 0.06, 0.12)), ("retrieval-unseen", (0.03, -0.01, 0.07))):
+        path = winning / name / "results.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "deep_margin": [
+            {"student": "student, one pass", "teacher": "teacher, 240-token windows averaged", "docs": 300,
+             "queries": 900, "recall_at_1": d, "ci95_low": low, "ci95_high": high}]}))
     default_model.apply_served_settings(winning / "longdoc7" / "model")
     assert bundle(winning, target)
     card = (target / "MODEL_CARD.md").read_text()
     assert "int8 hashing (`hash_int8`" in card and load_pretrained(target).config.hash_int8
     assert card == (winning / "MODEL_CARD.md").read_text()
     assert "deep recall@1 at least the windowed teacher's + 0.05: met" in card
+    assert ("The one vector's recall@1 minus the windowed teacher's: +0.090 (95 % interval over documents +0.060 to "
+            "+0.120) on PostgreSQL, +0.030 (95 % interval over documents -0.010 to +0.070) on the seven packages.") in card
     assert "short recall@1 at least 0.97 × the teacher's: not met" in card  # 0.85 < 0.97 × 0.9
     # the seven packages no stage trains on: their own table, short row and verdicts (0.69 < 0.66 + 0.05)
     unseen = card.split("Seven more documentation packages no stage trained on (python-sqlalchemy-doc, ")[1]
