@@ -217,6 +217,7 @@ def card(work: Path, name: str) -> tuple[str, bool]:
     wide = json.loads((work / "longdoc-data-wide" / "counts.json").read_text())
     added = {k: v for k, v in wide["train_by_source"].items() if k not in docs["train_by_source"]}
     met, met_unseen = targets(transfer), targets(unseen)
+    margin, margin_unseen = _margin(transfer), _margin(unseen)
     kept = _results(work / "longdoc-data-unseen", "counts.json")
     topics = {run.name: (json.loads((run / "config.json").read_text()), _results(run))
               for run in sorted(work.glob("topics-*")) if (run / "results.json").is_file()}
@@ -336,10 +337,10 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         f"teacher's: {_verdict(met['short_recall_at_1'])}."
         + (f" The same on the seven packages: {_verdict(met_unseen['deep_recall_at_1'])}; "
            f"{_verdict(met_unseen['short_recall_at_1'])}." if unseen else "")
-        + (f" The one vector's recall@1 minus the windowed teacher's: {_margin(transfer)} on PostgreSQL"
-           + (f", {_margin(unseen)} on the seven packages" if _margin(unseen) else "")
+        + (f" The one vector's recall@1 minus the windowed teacher's: {margin} on PostgreSQL"
+           + (f", {margin_unseen} on the seven packages" if margin_unseen else "")
            + ". An interval above zero says the model beats averaged windows there; one that holds the target "
-             "margin says these queries cannot tell whether the target is met." if _margin(transfer) else ""), "",
+             "margin says these queries cannot tell whether the target is met." if margin else ""), "",
         "## Agreement with the teacher (no longer a target)", "",
         f"Texts ≤ 256 tokens ({(agreement_at(student, 32) or {}).get('texts', 0)} held-out passages):", "",
         *_table(student, converted), "",
