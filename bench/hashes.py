@@ -103,13 +103,16 @@ def speed(model, shapes: list[tuple[int, int]], counts: list[int], repeats: int)
     return out
 
 
-def plot(noise: dict, lengths: list[int], counts: list[int], path: Path) -> None:
+def plot(noise: dict, lengths: list[int], counts: list[int], path: Path, deep: dict | None = None,
+         timed: dict | None = None) -> None:
+    """The noise by length; with the speed part, beside it deep recall@1 against forward time per count."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4))
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(11.5 if timed else 6.4, 4), squeeze=False)
+    ax = axes[0][0]
     for m in counts:
         ax.plot(lengths, [noise[(n, m)][0] for n in lengths], marker="o", label=f"{m} hashes")
     ax.set_xscale("log", base=2)
@@ -118,6 +121,18 @@ def plot(noise: dict, lengths: list[int], counts: list[int], path: Path) -> None
     ax.set_title("LSH noise in the pooled embedding")
     ax.grid(alpha=0.3)
     ax.legend()
+    if timed:
+        ax = axes[0][1]
+        for (batch, n), t in timed.items():
+            ms = [1e3 * t[m] for m in counts]
+            ax.plot(ms, [deep[m]["recall_at_1"] for m in counts], marker="o", label=f"forward of {batch} × {n}")
+            for m, x in zip(counts, ms):
+                ax.annotate(f"{m}", (x, deep[m]["recall_at_1"]), textcoords="offset points", xytext=(4, -10))
+        ax.set_xlabel("forward time as served (ms, median)")
+        ax.set_ylabel("deep retrieval recall@1")
+        ax.set_title("what each hash count buys (labels: hashes)")
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -202,7 +217,7 @@ def main() -> int:
         f"document; queries at `auto`, documents at m hashes):", "", *deep_table, "", *speed_part,
         "![hash count against quality](img/hashes.png)"])
     print(body)
-    plot(noise, args.lengths, args.counts, args.plot)
+    plot(noise, args.lengths, args.counts, args.plot, deep, timed if args.speed else None)
     print(f"wrote {args.plot}")
     if args.write_docs:
         write_section(SECTION, body)
