@@ -182,6 +182,7 @@ def main() -> int:
     noise = noise_by_length(model, docs, args.lengths, args.counts)
     n_docs, deep = deep_retrieval(model, rows, args.counts, args.retrieval_docs)
     dense = "bf16" if native_bf16() else "fp32"  # what the server's --dense-dtype auto picks on this CPU
+    timed = {}  # (batch, n) -> {m: seconds}, with --speed
     if args.speed:
         set_dense_dtype(model, dense)
         timed = speed(model, shapes, args.counts, args.repeats)
@@ -199,13 +200,13 @@ def main() -> int:
     base = 32 if 32 in args.counts else max(args.counts)  # the speed-ups are over this count
     speed_table = ["| batch × N | " + " | ".join(f"{m} hashes" for m in args.counts) + " | exact (YOSO-E) |",
                    "|---|" + "---:|" * (len(args.counts) + 1)]
-    for (batch, n), t in (timed.items() if args.speed else ()):
+    for (batch, n), t in timed.items():
         speed_table.append(f"| {batch} × {n} | " + " | ".join(
             f"{1e3 * t[m]:.0f} ms ({t[base] / t[m]:.2f}×)" for m in [*args.counts, 0]) + " |")
     speed_part = [f"Speed: one forward as served ({'int8' if model.config.hash_int8 else 'fp32'} hashing, dense "
                   f"GEMMs in {dense}), median of {args.repeats} interleaved repeats; in brackets the speed-up "
                   f"over {base} hashes:", "", *speed_table, ""] \
-        if args.speed else []
+        if timed else []
     command = "PYTHONSAFEPATH=1 .venv/bin/python bench/hashes.py " + " ".join(sys.argv[1:])
     body = "\n".join([
         f"Command: `{command.strip()}`; model `{args.model.name}`, data `{args.data.name}`, "
@@ -217,7 +218,7 @@ def main() -> int:
         f"document; queries at `auto`, documents at m hashes):", "", *deep_table, "", *speed_part,
         "![hash count against quality](img/hashes.png)"])
     print(body)
-    plot(noise, args.lengths, args.counts, args.plot, deep, timed if args.speed else None)
+    plot(noise, args.lengths, args.counts, args.plot, deep, timed)
     print(f"wrote {args.plot}")
     if args.write_docs:
         write_section(SECTION, body)
