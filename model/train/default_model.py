@@ -29,8 +29,8 @@ Stages, each resumable and each writing under ``--work`` (default ``runs/default
     longdoc6  stage seven continued with pieces of 64 or 128 tokens (one size drawn per step)
     longdoc7  stage eight continued as it (another seed)
     eval      student and the plain converted model against the teacher on held-out text; deep and
-              short retrieval on held-out documents and on the sources kept out, one vector per
-              document and 128-token pieces
+              short retrieval on held-out documents and on the sources kept out (the seven packages as
+              two corpora of 300 documents), one vector per document and 128-token pieces
     finetune  topic classification (documentation area of a section): student and teacher
     bundle    fp16 copy + MODEL_CARD.md (+ training.json) into model/bundled/, only if the final
               model's deep retrieval on the source kept out beats every earlier stage's
@@ -330,6 +330,9 @@ STAGES = {"distill": distill_argv, "refine": refine_argv, "longdoc": longdoc_arg
 # Deep-retrieval queries per document, pooled: one draw of 300 queries has a standard error of about 0.027
 # in recall@1, half the target margin, and single draws of the same model differed by up to 0.06.
 QUERY_DRAWS = 3
+# Documents per deep-retrieval corpus (``eval --retrieval-docs``' default). The seven packages kept out have about
+# twice that: retrieval-unseen-2 takes the next RETRIEVAL_DOCS of them, a second corpus of other documents.
+RETRIEVAL_DOCS = 300
 
 
 def retrieval_argv(work: Path, model: Path, teacher: Path, name: str, docs: str,
@@ -375,7 +378,8 @@ def finetune_argv(work: Path, model: Path, name: str) -> list[str]:
 CORPORA = {"longdoc-data": {"train_sources": TRAIN_SOURCES}, "longdoc-data-wide": {"train_sources": WIDE_SOURCES},
            "longdoc-data-unseen": {"train_sources": (), "transfer_sources": UNSEEN_SOURCES}}
 
-EVALS = ("eval-converted", "eval-student", "retrieval-transfer", "retrieval-unseen", "retrieval-heldout",
+EVALS = ("eval-converted", "eval-student", "retrieval-transfer", "retrieval-unseen", "retrieval-unseen-2",
+         "retrieval-heldout",
          "retrieval-refined", "retrieval-longdoc", "retrieval-longdoc2", "retrieval-longdoc3", "retrieval-longdoc4",
          "pieces-transfer", "pieces-unseen")
 
@@ -401,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
                                                           "transfer")),
         "retrieval-unseen": lambda: _cli(retrieval_argv(work, final_model(work), teacher, "retrieval-unseen",
                                                         "transfer", corpus="longdoc-data-unseen")),
+        "retrieval-unseen-2": lambda: _cli(retrieval_argv(work, final_model(work), teacher, "retrieval-unseen-2",
+                                                          "transfer", corpus="longdoc-data-unseen")
+                                           + ["--retrieval-skip", str(RETRIEVAL_DOCS)]),
         "retrieval-heldout": lambda: _cli(retrieval_argv(work, final_model(work), teacher, "retrieval-heldout",
                                                          "heldout")),
         "retrieval-refined": lambda: _cli(retrieval_argv(work, work / "refine" / "model", teacher,

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retrieval-data", type=Path, nargs="*", default=[],
                    help="document JSONL {doc, source, blocks, tokens} for deep and short retrieval")
     p.add_argument("--retrieval-docs", type=int, default=300, help="documents in the deep-retrieval corpus")
+    p.add_argument("--retrieval-skip", type=int, default=0,
+                   help="eligible documents passed over before the corpus is taken (a second, disjoint corpus "
+                        "of a file with more than --retrieval-docs)")
     p.add_argument("--query-draws", type=int, default=1,
                    help="queries per document in deep retrieval, draw d as --seed + d would draw it (pooled)")
     p.add_argument("--query-unit", choices=("paragraph", "sentence"), default="paragraph",
@@ -178,13 +181,13 @@ def retrieval_results(args: argparse.Namespace, model: EncoderModel, teacher: Be
         raise ValueError(f"--segment must be >= 0 (0 = no multi-vector rows), got {segment}")
     rows = read_documents(args.retrieval_data)
     docs, queries = retrieval.deep_pairs(rows, lo=lo, hi=hi, max_docs=args.retrieval_docs, seed=args.seed,
-                                         draws=args.query_draws, unit=args.query_unit)
+                                         draws=args.query_draws, unit=args.query_unit, skip=args.retrieval_skip)
     if len(docs) < 2:
         raise ValueError(f"--retrieval-data: {len(docs)} documents of {lo}..{hi} tokens with a late paragraph; need 2")
     firsts, rests = retrieval.short_pairs(rows, max_pairs=args.short_pairs, seed=args.seed)
     emb = retrieval.Embedders(model, teacher, hashes=hashes, window=args.window, device=device)
-    deep, margins = retrieval.deep_retrieval(emb, docs, queries, segment=segment)
-    return {"deep_retrieval": deep, "deep_margin": margins,
+    deep, margins, hits = retrieval.deep_retrieval(emb, docs, queries, segment=segment)
+    return {"deep_retrieval": deep, "deep_margin": margins, "deep_hits": hits,
             "short_retrieval": retrieval.short_retrieval(emb, firsts, rests) if len(firsts) >= 2 else []}
 
 

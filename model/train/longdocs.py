@@ -176,11 +176,16 @@ def man_page_names(root: Path = MAN_ROOT) -> frozenset[str]:
     return frozenset(p.name.split(".")[0] for p in root.glob("**/*.*") if p.is_file())
 
 
+def key_hash(key: str) -> int:
+    """A hash of ``key`` that is the same on every machine and run (``hash()`` is salted per process)."""
+    return int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest()[:4], "big")
+
+
 def is_heldout(key: str, percent: int) -> bool:
     """Deterministic split by page: the same page is held out on every machine and run."""
     if not 0 <= percent < 100:
         raise ValueError(f"held-out percent must be in 0..99, got {percent}")
-    return int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest()[:4], "big") % 100 < percent
+    return key_hash(key) % 100 < percent
 
 
 def split_parts(blocks: list[str], lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -253,6 +258,11 @@ def prepare_corpus(out: Path, tokenizer, *, train_sources=TRAIN_SOURCES, transfe
             side = "transfer" if name in transfer_sources else \
                 "heldout" if is_heldout(row["page"], heldout_percent) else "train"
             split[side].append(row)
+    if len(transfer_sources) > 1:
+        # The evals take the first N eligible documents of the file (``retrieval.deep_pairs``). In source order
+        # those would be the first source's alone; in this fixed mixed order any prefix samples every source
+        # in proportion to its documents.
+        split["transfer"].sort(key=lambda row: key_hash(row["doc"]))
     counts: dict = {}
     for side, rows in split.items():
         counts[f"{side}_docs"] = write_jsonl(out / f"{side}_docs.jsonl", rows)

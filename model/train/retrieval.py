@@ -39,15 +39,18 @@ def _rng(seed: int, key: str) -> random.Random:
 
 
 def deep_pairs(rows: list[dict], *, lo: int, hi: int, max_docs: int, seed: int,
-               draws: int = 1, unit: str = "paragraph") -> tuple[list[str], list[str]]:
-    """(documents, queries): documents of ``lo``..``hi`` tokens that have a paragraph of at least
-    QUERY_WORDS words starting in their second half; the query is one such paragraph, drawn per document,
-    or with ``unit="sentence"`` one sentence of at least SENTENCE_WORDS words of such paragraphs (the
-    paragraph itself where none has one; the same documents either way).
+               draws: int = 1, unit: str = "paragraph", skip: int = 0) -> tuple[list[str], list[str]]:
+    """(documents, queries): the first ``max_docs`` documents of ``lo``..``hi`` tokens that have a paragraph
+    of at least QUERY_WORDS words starting in their second half, after passing over ``skip`` such documents
+    (so that a file of more than ``max_docs`` gives a second, disjoint corpus); the query is one such
+    paragraph, drawn per document, or with ``unit="sentence"`` one sentence of at least SENTENCE_WORDS words of
+    such paragraphs (the paragraph itself where none has one; the same documents either way).
     With ``draws`` > 1 each document is queried that many times, draw d as ``seed + d`` draws it (so
     pooled draws score the mean of the separate seeds): query j belongs to document j % len(documents)."""
     if unit not in ("paragraph", "sentence"):
         raise ValueError(f"query unit must be 'paragraph' or 'sentence', got {unit!r}")
+    if skip < 0:
+        raise ValueError(f"documents to skip must be >= 0, got {skip}")
     docs, late_of = [], []
     for row in rows:
         if not lo <= row.get("tokens", 0) <= hi:
@@ -60,7 +63,9 @@ def deep_pairs(rows: list[dict], *, lo: int, hi: int, max_docs: int, seed: int,
             pos += n
         if late and unit == "sentence":
             late = [x for block in late for x in SENTENCE_BREAK.split(block) if len(x.split()) >= SENTENCE_WORDS] or late
-        if late:
+        if late and skip:
+            skip -= 1
+        elif late:
             docs.append("\n".join(row["blocks"]))
             late_of.append((row["doc"], late))
         if len(docs) == max_docs:
@@ -129,17 +134,36 @@ def paired_margin(ranks_a: torch.Tensor, ranks_b: torch.Tensor, n_docs: int, *,
     """recall@1 of method A minus method B on the same queries (query j asks for document j % n_docs), with
     a 95 % percentile-bootstrap interval that resamples documents, a document's queries together: the draws
     of one document stand or fall together, so resampling queries alone would make the interval too narrow."""
-    if ranks_a.shape != ranks_b.shape or len(ranks_a) == 0:
-        raise ValueError(f"paired ranks must have one shape and a query, got {tuple(ranks_a.shape)} and "
-                         f"{tuple(ranks_b.shape)}")
-    diff = (ranks_a == 0).float() - (ranks_b == 0).float()
-    doc = torch.arange(len(diff)) % n_docs
-    total = torch.zeros(n_docs).index_add_(0, doc, diff)
-    count = torch.zeros(n_docs).index_add_(0, doc, torch.ones_like(diff))
-    pick = torch.randint(n_docs, (resamples, n_docs), generator=torch.Generator().manual_seed(seed))
-    boot = total[pick].sum(1) / count[pick].sum(1).clamp_min(1)
-    low, high = torch.quantile(boot, torch.tensor([0.025, 0.975])).tolist()
-    return {"recall_at_1": diff.mean().item(), "ci95_low": low, "ci95_high": high}
+    return pooled_margin([((ranks_a == 0).tolist(), (ranks_b == 0).tolist(), n_docs)], resamples=resamples,
+                         seed=seed)
+
+
+def pooled_margin(corpora: list[tuple[list, list, int]], *, resamples: int = MARGIN_RESAMPLES,
+                  seed: int = 0) -> dict[str, float]:
+    """:func:`paired_margin` over several corpora at once, each ``(hits_a, hits_b, n_docs)`` (a query's hit: its
+    document ranked first; query j asks for document j % n_docs of its own corpus): the difference over all
+    their queries, and a bootstrap that resamples each corpus's documents within it (a stratified bootstrap:
+    every resample keeps each corpus's size, as the corpora were drawn separately)."""
+    if not corpora:
+        raise ValueError("no corpus to pool")
+    gen = torch.Generator().manual_seed(seed)
+    diff_sum, boot_total, boot_count, n_queries = 0.0, torch.zeros(resamples), torch.zeros(resamples), 0
+    for hits_a, hits_b, n_docs in corpora:
+        a, b = torch.as_tensor(hits_a, dtype=torch.float), torch.as_tensor(hits_b, dtype=torch.float)
+        if a.shape != b.shape or a.dim() != 1 or len(a) == 0 or n_docs < 1:
+            raise ValueError(f"paired ranks must have one shape and a query, got {tuple(a.shape)} and "
+                             f"{tuple(b.shape)} over {n_docs} documents")
+        diff = a - b
+        doc = torch.arange(len(diff)) % n_docs
+        total = torch.zeros(n_docs).index_add_(0, doc, diff)
+        count = torch.zeros(n_docs).index_add_(0, doc, torch.ones_like(diff))
+        pick = torch.randint(n_docs, (resamples, n_docs), generator=gen)
+        boot_total += total[pick].sum(1)
+        boot_count += count[pick].sum(1)
+        diff_sum += diff.sum().item()
+        n_queries += len(diff)
+    low, high = torch.quantile(boot_total / boot_count.clamp_min(1), torch.tensor([0.025, 0.975])).tolist()
+    return {"recall_at_1": diff_sum / n_queries, "ci95_low": low, "ci95_high": high}
 
 
 @torch.no_grad()
@@ -242,8 +266,8 @@ class Embedders:
 
 
 def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str], *,
-                   segment: int = 0) -> tuple[list[dict], list[dict]]:
-    """(rows, margins). One row per method: recall@1, MRR@10, documents per second (document embedding time
+                   segment: int = 0) -> tuple[list[dict], list[dict], dict]:
+    """(rows, margins, hits). One row per method: recall@1, MRR@10, documents per second (document embedding time
     only). The three single-vector rows come first (one vector per document: what the task is about). With
     ``segment`` > 0, two multi-vector rows follow, from the same passes: the teacher's windows indexed
     one by one and the student's ``segment``-token pieces of its one pass, a document scoring its best
@@ -251,7 +275,10 @@ def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str], *,
 
     margins: the student's recall@1 minus the teacher's on the same queries, with its 95 % interval
     (:func:`paired_margin`): one vector against the averaged windows, and with ``segment`` the pieces
-    against the windows indexed one by one."""
+    against the windows indexed one by one.
+
+    hits: the corpus size and, per method, each query's hit (1: its document ranked first), from which
+    :func:`pooled_margin` pools the margins of several corpora."""
     rows, parts, ranks = [], {}, {}
     s_queries = emb.student_one_pass(queries)
     t_queries = emb.teacher_truncated(queries)
@@ -287,7 +314,8 @@ def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str], *,
         pairs.append((rows[-1]["method"], rows[-2]["method"]))
     margins = [{"student": a, "teacher": b, "docs": len(docs), "queries": len(queries),
                 **paired_margin(ranks[a], ranks[b], len(docs))} for a, b in pairs]
-    return rows, margins
+    hits = {"docs": len(docs), **{name: (r == 0).int().tolist() for name, r in ranks.items()}}
+    return rows, margins, hits
 
 
 def short_retrieval(emb: Embedders, firsts: list[str], rests: list[str]) -> list[dict]:

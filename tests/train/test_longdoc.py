@@ -118,6 +118,29 @@ def test_training_and_transfer_sources_must_not_overlap(tmp_path):
         longdocs.prepare_corpus(tmp_path, None, train_sources=("python",), transfer_sources=("python",))
 
 
+def test_transfer_documents_of_several_sources_are_mixed(tmp_path, monkeypatch):
+    # deep_pairs takes the first N eligible documents: with several sources kept out, the transfer file must not
+    # be one source after another, or the eval's corpus is its first source alone
+    names = ("a", "b", "c", "t")
+    monkeypatch.setattr(longdocs, "SOURCES", {n: n for n in names})
+    monkeypatch.setattr(longdocs, "read_source", lambda source, tok, **kw: (
+        {"doc": f"{source}/p{i}#0", "source": source, "page": f"{source}/p{i}", "blocks": ["x"], "tokens": 2000}
+        for i in range(40)))
+    longdocs.prepare_corpus(tmp_path / "mixed", None, train_sources=("t",), transfer_sources=("a", "b", "c"),
+                            heldout_percent=0)
+    rows = [json.loads(line) for line in (tmp_path / "mixed" / "transfer_docs.jsonl").read_text().splitlines()]
+    assert sorted(r["doc"] for r in rows) == sorted(f"{n}/p{i}#0" for n in "abc" for i in range(40))
+    assert {r["source"] for r in rows[:15]} == {"a", "b", "c"}
+    again = tmp_path / "again"
+    longdocs.prepare_corpus(again, None, train_sources=("t",), transfer_sources=("a", "b", "c"), heldout_percent=0)
+    assert (again / "transfer_docs.jsonl").read_text() == (tmp_path / "mixed" / "transfer_docs.jsonl").read_text()
+    # one source kept out (PostgreSQL) and the training files keep their page order
+    longdocs.prepare_corpus(tmp_path / "one", None, train_sources=("t",), transfer_sources=("a",), heldout_percent=0)
+    for side, src in (("transfer", "a"), ("train", "t")):
+        docs = [json.loads(line)["doc"] for line in (tmp_path / "one" / f"{side}_docs.jsonl").read_text().splitlines()]
+        assert docs == [f"{src}/p{i}#0" for i in range(40)]
+
+
 def test_curriculum_stages():
     stages = parse_curriculum("512:0.25,1024:0.5,4096:1")
     assert [crop_length(stages, s, 100) for s in (0, 24, 25, 49, 50, 99)] == [512, 512, 1024, 1024, 4096, 4096]
@@ -173,6 +196,29 @@ def test_paired_margin_is_the_recall_difference_with_an_interval_over_documents(
         retrieval.paired_margin(a, b[:-1], n)
 
 
+def test_pooled_margin_weighs_corpora_by_queries_and_resamples_each_corpus():
+    a = torch.tensor([0] * 30 + [3] * 10)
+    b = torch.tensor([0] * 20 + [1] * 20)
+    one = retrieval.paired_margin(a, b, 40)
+    # one corpus: paired_margin itself
+    assert retrieval.pooled_margin([((a == 0).tolist(), (b == 0).tolist(), 40)]) == pytest.approx(one)
+    # a second corpus of 20 documents where A and B tie: the difference is over all 60 queries
+    tie = [1] * 10 + [0] * 10
+    got = retrieval.pooled_margin([((a == 0).tolist(), (b == 0).tolist(), 40), (tie, tie, 20)])
+    assert got["recall_at_1"] == pytest.approx(10 / 60)
+    assert got["ci95_low"] < 10 / 60 < got["ci95_high"]
+    # two corpora of the same evidence: twice the documents, an interval narrower by about 1/sqrt(2)
+    same = ((a == 0).tolist(), (b == 0).tolist(), 40)
+    two = retrieval.pooled_margin([same, same])
+    assert two["recall_at_1"] == pytest.approx(0.25)
+    ratio = (two["ci95_high"] - two["ci95_low"]) / (one["ci95_high"] - one["ci95_low"])
+    assert 0.55 < ratio < 0.85
+    with pytest.raises(ValueError, match="no corpus"):
+        retrieval.pooled_margin([])
+    with pytest.raises(ValueError, match="one shape"):
+        retrieval.pooled_margin([same, ([1, 0], [1], 2)])
+
+
 def test_best_part_scores_rank_a_document_by_its_best_part():
     # doc 0 = parts 0, 1; doc 1 = part 2; doc 2 = parts 3, 4
     parts = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.7, 0.7], [-1.0, 0.0], [0.6, -0.8]])
@@ -214,6 +260,21 @@ def test_student_parts_are_the_segment_means_of_one_pass(tiny_yoso):
             torch.testing.assert_close(parts[owner == d], want, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(pooled[d], hidden.mean(0), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(pooled, emb.student_one_pass(texts), atol=1e-5, rtol=1e-4)
+
+
+def test_deep_pairs_skip_gives_the_next_disjoint_corpus():
+    long_block = " ".join(["w"] * 25)
+    rows = [{"doc": f"d{i}#0", "tokens": 2000 if i % 3 else 100,  # every third row is too short to qualify
+             "blocks": [f"early {i} " + long_block, f"late {i} " + long_block]} for i in range(30)]
+    first, _ = retrieval.deep_pairs(rows, lo=1200, hi=4000, max_docs=8, seed=0)
+    second, queries = retrieval.deep_pairs(rows, lo=1200, hi=4000, max_docs=8, seed=0, skip=8, draws=2)
+    assert len(first) == len(second) == 8 and not set(first) & set(second)
+    qualifying = ["\n".join(r["blocks"]) for r in rows if r["tokens"] == 2000]
+    assert first + second == qualifying[:16]
+    assert len(queries) == 16 and all(q.startswith(f"late {d.split()[1]} ") for q, d in zip(queries, second * 2))
+    assert retrieval.deep_pairs(rows, lo=1200, hi=4000, max_docs=8, seed=0, skip=20)[0] == qualifying[20:]
+    with pytest.raises(ValueError, match="skip must be >= 0"):
+        retrieval.deep_pairs(rows, lo=1200, hi=4000, max_docs=8, seed=0, skip=-1)
 
 
 def test_deep_pairs_take_a_late_paragraph_and_are_seeded():
@@ -454,8 +515,16 @@ def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, w
     for m in margins:
         assert m["recall_at_1"] == pytest.approx(deep[m["student"]]["recall_at_1"] - deep[m["teacher"]]["recall_at_1"])
         assert m["ci95_low"] <= m["recall_at_1"] <= m["ci95_high"] and (m["docs"], m["queries"]) == (6, 6)
+    # each query's hit per method, for pooling the margins of several corpora; the margin is theirs
+    hits = results["deep_hits"]
+    assert hits["docs"] == 6 and set(hits) == {"docs", *deep}
+    for name, row in deep.items():
+        assert len(hits[name]) == 6 and set(hits[name]) <= {0, 1}
+        assert sum(hits[name]) / 6 == pytest.approx(row["recall_at_1"])
+    assert retrieval.pooled_margin([(hits[margins[0]["student"]], hits[margins[0]["teacher"]], 6)]) == \
+        pytest.approx({k: margins[0][k] for k in ("recall_at_1", "ci95_low", "ci95_high")})
     printed = capsys.readouterr().out
-    assert "### deep_retrieval" in printed and "### deep_margin" in printed
+    assert "### deep_retrieval" in printed and "### deep_margin" in printed and "deep_hits" not in printed
     for flag, value, message in (("--segment", "-1", "--segment must be >= 0"), ("--window", "2", "--window must be in 3..64"),
                                  ("--retrieval-tokens", "x", "--retrieval-tokens must be LO,HI")):
         assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from yoso_serve.model import load_pretrained
-from yoso_serve.model.train import default_model
+from yoso_serve.model.train import default_model, retrieval
 from yoso_serve.model.train.default_model import passages
 from yoso_serve.model.train.model_card import bundle
 
@@ -181,6 +181,22 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
         path.write_text(json.dumps({**json.loads(path.read_text()), "deep_margin": [
             {"student": "student, one pass", "teacher": "teacher, 240-token windows averaged", "docs": 300,
              "queries": 900, "recall_at_1": d, "ci95_low": low, "ci95_high": high}]}))
+    # the seven packages' second corpus, and every corpus's per-query hits: the margin pooled over the three
+    (winning / "retrieval-unseen-2").mkdir()
+    (winning / "retrieval-unseen-2" / "results.json").write_text(json.dumps({"deep_retrieval": _deep(0.72),
+                                                                            "short_retrieval": shorts}))
+    names = ("student, one pass", "teacher, 240-token windows averaged")
+    hits = {"retrieval-transfer": ([1] * 9 + [0], [1] * 8 + [0] * 2, 5),
+            "retrieval-unseen": ([1, 0, 0, 1], [0, 1, 0, 1], 2), "retrieval-unseen-2": ([1, 1, 0], [0, 1, 0], 3)}
+    for name, (a, b, docs) in hits.items():
+        path = winning / name / "results.json"
+        res = json.loads(path.read_text())
+        res["deep_hits"] = {"docs": docs, names[0]: a, names[1]: b}
+        res.setdefault("deep_margin", [{"student": names[0], "teacher": names[1], "docs": docs, "queries": len(a),
+                                        "recall_at_1": 1 / 3, "ci95_low": 0.0, "ci95_high": 1.0}])
+        path.write_text(json.dumps(res))
+    want = retrieval.pooled_margin(list(hits.values()))
+    assert want["recall_at_1"] == pytest.approx(2 / 17)
     default_model.apply_served_settings(winning / "longdoc7" / "model")
     assert bundle(winning, target)
     card = (target / "MODEL_CARD.md").read_text()
@@ -188,13 +204,20 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert card == (winning / "MODEL_CARD.md").read_text()
     assert "deep recall@1 at least the windowed teacher's + 0.05: met" in card
     assert ("The one vector's recall@1 minus the windowed teacher's: +0.090 (95 % interval over documents +0.060 to "
-            "+0.120) on PostgreSQL, +0.030 (95 % interval over documents -0.010 to +0.070) on the seven packages.") in card
+            "+0.120) on PostgreSQL, +0.030 (95 % interval over documents -0.010 to +0.070) on the seven packages and "
+            "+0.333 (95 % interval over documents +0.000 to +1.000) on their second corpus.") in card
+    assert (f"Pooled over these corpora, all 10 documents of sources never trained on (17 queries; the bootstrap "
+            f"resamples each corpus's documents): +0.118 (95 % interval {want['ci95_low']:+.3f} to "
+            f"{want['ci95_high']:+.3f}): at or above the target's + 0.05 by its point estimate.") in card
+    second = card.split("then the next (`retrieval-unseen-2`).")[1].split("Held-out pages")[0]
+    assert "| student, one pass | 300 | 900 | 0.690 |" in second
+    assert "| student, one pass | 300 | 900 | 0.720 |" in second
     assert "short recall@1 at least 0.97 × the teacher's: not met" in card  # 0.85 < 0.97 × 0.9
     # the seven packages no stage trains on: their own table, short row and verdicts (0.69 < 0.66 + 0.05)
     unseen = card.split("Seven more documentation packages no stage trained on (python-sqlalchemy-doc, ")[1]
     assert unseen.split("Held-out pages")[0].count("| student, one pass | 300 | 900 | 0.690 | 0.740 | 2.00 |") == 1
     assert "| seven packages not trained on | student | 30 | 0.500 | 0.600 |" in card
-    assert "The same on the seven packages: not met; met." in card
+    assert "The same on the seven packages: not met; met; on their second corpus: met; met." in card
     assert "Kept out of every stage as well, a second measure of transfer: 12 documents of 7 more packages " \
            "(pandas 5, vim 7)." in card
     assert load_pretrained(target).config.hidden_size == 32
@@ -213,6 +236,9 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
         assert not bundle(work, tmp_path / f"bundled-{name}" / "yoso-test")
         assert "over every earlier stage measured: yes; its 128-token pieces beat the teacher's windows of that " \
                "size there: no." in (work / "MODEL_CARD.md").read_text()
+        # no per-query hits (results from before the eval wrote them): no pooled margin, and no second corpus
+        assert "Pooled over" not in (work / "MODEL_CARD.md").read_text()
+        assert "Not measured for this model (`retrieval-unseen-2`)." in (work / "MODEL_CARD.md").read_text()
 
 
 def test_a_pipeline_started_from_a_bundle_reports_its_earlier_stages_from_the_bundles_record(tiny_yoso, tmp_path):
@@ -308,11 +334,12 @@ def test_pipeline_waits_for_a_stage_stopped_by_its_time_limit(tmp_path, monkeypa
                           str(work / "longdoc2"), str(work / "longdoc3"), "longdoc-data-wide", str(work / "longdoc4"),
                           "longdoc-data-unseen", str(work / "longdoc5"), str(work / "longdoc6"),
                           str(work / "longdoc7")]
-    assert calls[12:24] == [str(work / n) for n in ("eval-converted", "eval-student", "retrieval-transfer",
-                                                    "retrieval-unseen", "retrieval-heldout", "retrieval-refined",
-                                                    "retrieval-longdoc", "retrieval-longdoc2", "retrieval-longdoc3",
-                                                    "retrieval-longdoc4", "pieces-transfer", "pieces-unseen")]
-    assert calls[-1] == "bundle" and len(calls) == 27  # + topics-teacher, topics-student
+    assert calls[12:25] == [str(work / n) for n in ("eval-converted", "eval-student", "retrieval-transfer",
+                                                    "retrieval-unseen", "retrieval-unseen-2", "retrieval-heldout",
+                                                    "retrieval-refined", "retrieval-longdoc", "retrieval-longdoc2",
+                                                    "retrieval-longdoc3", "retrieval-longdoc4", "pieces-transfer",
+                                                    "pieces-unseen")]
+    assert calls[-1] == "bundle" and len(calls) == 28  # + topics-teacher, topics-student
 
 
 def test_the_wider_corpus_and_the_unseen_packages_are_stages_of_their_own(tmp_path, monkeypatch):
@@ -330,13 +357,17 @@ def test_every_retrieval_eval_of_the_pipeline_pools_the_same_query_draws(tmp_pat
     monkeypatch.setattr(default_model, "_cli", lambda argv: seen.update({argv[argv.index("--out") + 1]: argv}))
     for name in [e for e in default_model.EVALS if e.startswith(("retrieval-", "pieces-"))]:
         assert default_model.main([name, "--work", str(tmp_path)]) == 0
-    assert len(seen) == 10
+    assert len(seen) == 11
     for argv in seen.values():  # the final model and the earlier stages are judged on the same 3 × 300 queries
         assert argv[argv.index("--query-draws") + 1] == "3" and argv[argv.index("--seed") + 1] == "0"
     data = {Path(out).name: Path(argv[argv.index("--retrieval-data") + 1]) for out, argv in seen.items()}
     assert data["retrieval-unseen"] == tmp_path / "longdoc-data-unseen" / "transfer_docs.jsonl"
     assert data["retrieval-transfer"] == tmp_path / "longdoc-data" / "transfer_docs.jsonl"
     assert data["pieces-unseen"] == data["retrieval-unseen"] and data["pieces-transfer"] == data["retrieval-transfer"]
+    # the seven packages' second corpus: the same file, past the first corpus's documents; the rest skip none
+    skips = {Path(out).name: argv[argv.index("--retrieval-skip") + 1] for out, argv in seen.items()
+             if "--retrieval-skip" in argv}
+    assert skips == {"retrieval-unseen-2": "300"} and data["retrieval-unseen-2"] == data["retrieval-unseen"]
     for name, argv in ((Path(out).name, argv) for out, argv in seen.items()):
         # the piece runs index 128-token pieces against the teacher's 128-token windows; the rest its 240 ones
         pieces = argv[argv.index("--window") + 1:argv.index("--window") + 4] if "--window" in argv else None
