@@ -330,8 +330,8 @@ STAGES = {"distill": distill_argv, "refine": refine_argv, "longdoc": longdoc_arg
 # Deep-retrieval queries per document, pooled: one draw of 300 queries has a standard error of about 0.027
 # in recall@1, half the target margin, and single draws of the same model differed by up to 0.06.
 QUERY_DRAWS = 3
-# Documents per deep-retrieval corpus (``eval --retrieval-docs``' default). The seven packages kept out have about
-# twice that: retrieval-unseen-2 takes the next RETRIEVAL_DOCS of them, a second corpus of other documents.
+# Documents per deep-retrieval corpus. The seven packages kept out have about twice that: retrieval-unseen-2
+# takes the next RETRIEVAL_DOCS of them, a second corpus of other documents.
 RETRIEVAL_DOCS = 300
 
 
@@ -341,7 +341,7 @@ def retrieval_argv(work: Path, model: Path, teacher: Path, name: str, docs: str,
     QUERY_DRAWS queries per document."""
     return ["eval", "--model", str(model), "--teacher", str(teacher), "--retrieval-data",
             str(work / corpus / f"{docs}_docs.jsonl"), "--out", str(work / name), "--seed", "0",
-            "--query-draws", str(QUERY_DRAWS)]
+            "--query-draws", str(QUERY_DRAWS), "--retrieval-docs", str(RETRIEVAL_DOCS)]
 
 
 PIECE_TOKENS = 128  # the piece size the piece evaluations index (the teacher's windows the same size)

@@ -50,6 +50,11 @@ def _verdict(met: bool) -> str:
     return "met" if met else "not met"
 
 
+def _verdicts(met: dict[str, bool]) -> str:
+    """The verdicts of :func:`targets`, deep then short: 'met; not met'."""
+    return f"{_verdict(met['deep_recall_at_1'])}; {_verdict(met['short_recall_at_1'])}"
+
+
 def _margin(results: dict | None) -> str:
     """The one vector's margin over the averaged windows with its 95 % interval over documents, as the eval's
     ``deep_margin`` table gives it ('' for results from before that table)."""
@@ -354,11 +359,8 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         f"Targets on the PostgreSQL documents: deep recall@1 at least the windowed teacher's + {DEEP_MARGIN}: "
         f"{_verdict(met['deep_recall_at_1'])}; short recall@1 at least {SHORT_RATIO} × the "
         f"teacher's: {_verdict(met['short_recall_at_1'])}."
-        + (f" The same on the seven packages: {_verdict(met_unseen['deep_recall_at_1'])}; "
-           f"{_verdict(met_unseen['short_recall_at_1'])}" if unseen else "")
-        + (f"; on their second corpus: {_verdict(met_unseen2['deep_recall_at_1'])}; "
-           f"{_verdict(met_unseen2['short_recall_at_1'])}" if unseen and unseen2 else "")
-        + ("." if unseen else "")
+        + (f" The same on the seven packages: {_verdicts(met_unseen)}"
+           + (f"; on their second corpus: {_verdicts(met_unseen2)}." if unseen2 else ".") if unseen else "")
         + (f" The one vector's recall@1 minus the windowed teacher's: {margin} on PostgreSQL"
            + (f", {margin_unseen} on the seven packages" if margin_unseen else "")
            + (f" and {margin_unseen2} on their second corpus" if margin_unseen and margin_unseen2 else "")

@@ -134,14 +134,14 @@ def paired_margin(ranks_a: torch.Tensor, ranks_b: torch.Tensor, n_docs: int, *,
     """recall@1 of method A minus method B on the same queries (query j asks for document j % n_docs), with
     a 95 % percentile-bootstrap interval that resamples documents, a document's queries together: the draws
     of one document stand or fall together, so resampling queries alone would make the interval too narrow."""
-    return pooled_margin([((ranks_a == 0).tolist(), (ranks_b == 0).tolist(), n_docs)], resamples=resamples,
-                         seed=seed)
+    return pooled_margin([(ranks_a == 0, ranks_b == 0, n_docs)], resamples=resamples, seed=seed)
 
 
-def pooled_margin(corpora: list[tuple[list, list, int]], *, resamples: int = MARGIN_RESAMPLES,
+def pooled_margin(corpora: list[tuple], *, resamples: int = MARGIN_RESAMPLES,
                   seed: int = 0) -> dict[str, float]:
-    """:func:`paired_margin` over several corpora at once, each ``(hits_a, hits_b, n_docs)`` (a query's hit: its
-    document ranked first; query j asks for document j % n_docs of its own corpus): the difference over all
+    """:func:`paired_margin` over several corpora at once, each ``(hits_a, hits_b, n_docs)`` (a query's hit, a
+    list or tensor of 0/1: its document ranked first; query j asks for document j % n_docs of its own corpus):
+    the difference over all
     their queries, and a bootstrap that resamples each corpus's documents within it (a stratified bootstrap:
     every resample keeps each corpus's size, as the corpora were drawn separately)."""
     if not corpora:
@@ -151,7 +151,7 @@ def pooled_margin(corpora: list[tuple[list, list, int]], *, resamples: int = MAR
     for hits_a, hits_b, n_docs in corpora:
         a, b = torch.as_tensor(hits_a, dtype=torch.float), torch.as_tensor(hits_b, dtype=torch.float)
         if a.shape != b.shape or a.dim() != 1 or len(a) == 0 or n_docs < 1:
-            raise ValueError(f"paired ranks must have one shape and a query, got {tuple(a.shape)} and "
+            raise ValueError(f"paired hits must have one shape and a query, got {tuple(a.shape)} and "
                              f"{tuple(b.shape)} over {n_docs} documents")
         diff = a - b
         doc = torch.arange(len(diff)) % n_docs
