@@ -23,8 +23,8 @@ from pathlib import Path
 
 from yoso_serve.model import load_pretrained
 
-from .default_model import (LONGDOC_CURRICULUM, PIECE_TOKENS, QUERY_DRAWS, distill_argv, final_model,
-                            longdoc2_argv, longdoc3_argv, longdoc4_argv, longdoc5_argv, longdoc6_argv,
+from .default_model import (LONGDOC_CURRICULUM, PIECE_TOKENS, QUERY_DRAWS, RETRIEVAL_DOCS, distill_argv,
+                            final_model, longdoc2_argv, longdoc3_argv, longdoc4_argv, longdoc5_argv, longdoc6_argv,
                             longdoc7_argv, longdoc_argv, refine_argv)
 from .longdocs import SOURCES, UNSEEN_SOURCES
 from .runtime import read_events
@@ -336,8 +336,8 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         *_retrieval_table(transfer, before), "",
         f"Seven more documentation packages no stage trained on ({_packages(UNSEEN_SOURCES)}; prose pages only, as "
         "`longdocs.py` reads them, in a fixed order that mixes the packages). They have about twice the documents "
-        "of one corpus, so they give two: the first 300 that qualify (`retrieval-unseen`), then the next "
-        "(`retrieval-unseen-2`).", "",
+        f"of one corpus, so they give two: the first {RETRIEVAL_DOCS} that qualify (`retrieval-unseen`), then the "
+        "next (`retrieval-unseen-2`).", "",
         *(_retrieval_table(unseen, {}) if unseen else ["Not measured for this model (`retrieval-unseen`)."]), "",
         *(_retrieval_table(unseen2, {}) if unseen2 else ["Not measured for this model (`retrieval-unseen-2`)."]), "",
         "Held-out pages of the training sources:", "",
