@@ -9,8 +9,8 @@
 #                   index (whose CUDA libraries come as wheels). --gpu also compiles the CUDA
 #                   kernels for TORCH_CUDA_ARCH_LIST (default "8.0;8.6;8.9;9.0"); no GPU needed.
 #   --python PY     interpreter of the target environment (default: python3 on PATH).
-#   --model-cache   where the default model is baked (YOSO_CACHE_DIR; default: the env var, else
-#                   the model package's own default).
+#   --model-cache   where the default model is converted from MiniLM if the bundled one is missing
+#                   (YOSO_CACHE_DIR; default: the env var, else the model package's own default).
 #   SRC             the project checkout (default: this script's parent folder).
 #
 # Environment: TORCH_VERSION (default 2.13.0, the pin of the Makefile); TORCH_INDEX_URL, an extra

@@ -63,6 +63,9 @@ class EncoderConfig:
     # a model is trained or checked with the setting it is served with.
     hash_int8: bool = False
     pooling: str = "mean"
+    # The cosine the service scores 0.5 in /rerank and zero-shot multi-label /classify: sigmoid(20 (cos - c)).
+    # Measured per model (model/train/retrieval.py calibrate_center); None = 0.3, MiniLM-like encoders' value.
+    score_center: float | None = None
     attention_backend: str = "auto"
     attention_type: str = "yoso"
     # 0 = automatic (see FFN_CHUNK_THRESHOLD); n > 0 = always chunk by n positions.
@@ -106,6 +109,8 @@ class EncoderConfig:
                 f"hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
                 f"({self.num_attention_heads})"
             )
+        if self.score_center is not None and not -1.0 <= self.score_center <= 1.0:
+            raise ValueError(f"score_center is a cosine, in [-1, 1]; got {self.score_center}")
         if not 1 <= self.hash_code_len <= 16:
             raise ValueError(f"hash_code_len must be in 1..16, got {self.hash_code_len}")
         if self.hash_int8 and self.hidden_size // self.num_attention_heads > 1024:

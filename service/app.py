@@ -6,6 +6,7 @@ import asyncio
 import base64
 import importlib.metadata
 import logging
+import re
 from contextlib import asynccontextmanager
 from typing import Callable
 
@@ -18,10 +19,11 @@ from .engine import Engine
 from .errors import MalformedRequest, MethodNotAllowed, NotFound, NotReady, ServiceError, InvalidInput
 from .metrics import CONTENT_TYPE, ServiceMetrics
 from .middleware import EdgeMiddleware, RouteTable
-from .protocol import (UNION_TAGS, ClassifyRequest, EmbedAllRequest, EmbedPiecesRequest, EmbedRequest, ErrorResponse,
-                       OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, PiecedEmbedding, ScoredLabel, Token,
-                       TokenizeRequest)
-from .responses import ERRORS as _ERRORS, error as _error, json_response as _json, watch as _watch
+from .protocol import (PATTERN_MEANS, UNION_TAGS, ClassifyRequest, EmbedAllRequest, EmbedPiecesRequest, EmbedRequest,
+                       ErrorResponse, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, PiecedEmbedding, ScoredLabel,
+                       Token, TokenizeRequest)
+from .responses import (ERRORS as _ERRORS, error as _error, json_response as _json, json_response_off_loop,
+                        params_named, watch as _watch)
 from .schema import deployment_openapi
 from .settings import ServeSettings
 from .tei import add_tei_routes
@@ -99,6 +101,22 @@ def _report_start(task: asyncio.Task, on_fatal) -> None:
         on_fatal(task.exception())
 
 
+_BRANCH = re.compile(r"[\w-]+\[.*\]")  # pydantic's name of one form of a union field
+
+
+def _client_path(error: dict) -> list[str]:
+    """An error's location as the client wrote it: without "body", our union tags (protocol.UNION_TAGS) and
+    pydantic's names for the forms a field may take (``function-before[...]``, ``literal['auto']``)."""
+    return [str(p) for p in error.get("loc", ()) if p != "body" and p not in UNION_TAGS
+            and not (isinstance(p, str) and _BRANCH.fullmatch(p))]
+
+
+def _message(error: dict) -> str:
+    if error.get("type") == "string_pattern_mismatch":
+        return PATTERN_MEANS.get((error.get("ctx") or {}).get("pattern"), error.get("msg"))
+    return error.get("msg")
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def service_error(_: Request, exc: ServiceError) -> Response:
@@ -111,13 +129,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         if bad_json is not None:
             detail = (bad_json.get("ctx") or {}).get("error", "invalid JSON")
             return _error(MalformedRequest(f"malformed JSON body: {detail}", param="body"))
-        first = errors[0]
-        # union branch tags (protocol.UNION_TAGS) are not part of the path the client wrote
-        loc = [str(p) for p in first.get("loc", ()) if p != "body" and p not in UNION_TAGS]
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        # param names the top-level field; the message keeps the full path (union branches included)
-        return _error(InvalidInput(f"{'.'.join(loc) or 'body'}: {first.get('msg')}{more}",
-                                   param=loc[0] if loc else None))
+        loc = _client_path(errors[0])
+        # a field that takes one of several forms fails once per form: say them together
+        alike = [e for e in errors if _client_path(e) == loc]
+        words = [_message(e) for e in alike]
+        message = " or ".join([words[0], *(w.removeprefix("Input should be ") for w in words[1:])])
+        more = f" (and {len(errors) - len(alike)} more)" if len(errors) > len(alike) else ""
+        # param names the top-level field; the message the full path
+        return _error(InvalidInput(f"{'.'.join(loc) or 'body'}: {message}{more}", param=loc[0] if loc else None))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -129,7 +148,11 @@ def _add_error_handlers(app: FastAPI) -> None:
             return _error(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}; "
                                            f"it takes {', '.join(allowed)}"), {"Allow": ", ".join(allowed)})
         if exc.status_code == 400:
-            return _error(MalformedRequest(str(exc.detail)))
+            detail = str(exc.detail)
+            if detail == "There was an error parsing the body":  # FastAPI's words for any failure but a syntax error
+                detail = ("malformed JSON body: it could not be read (nested too deeply, a number over Python's "
+                          "4300-digit limit, or not JSON)")
+            return _error(MalformedRequest(detail, param="body"))
         response = _error(ServiceError(str(exc.detail), code=str(exc.status_code)))
         response.status_code = exc.status_code
         return response
@@ -149,15 +172,16 @@ def _add_routes(app: FastAPI, engine: Engine, metrics: ServiceMetrics) -> None:
     @app.post("/embed_all", response_model=list[list[list[float]]], responses=_ERRORS)
     async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
         out = await engine.embed_all(body.to_params(), _watch(request))
-        return _json([states.tolist() for states in out.value], out.usage)
+        return await json_response_off_loop(lambda: [states.tolist() for states in out.value], out.usage)
 
     @app.post("/embed_pieces", response_model=list[PiecedEmbedding], responses=_ERRORS)
     async def embed_pieces(body: EmbedPiecesRequest, request: Request) -> Response:
         out = await engine.embed_pieces(body.to_params(), _watch(request))
-        return _json([{"embedding": vector.tolist(),
-                       "pieces": [{"embedding": e, "tokens": list(t), "chars": list(c)}
-                                  for e, t, c in zip(pieces.tolist(), tokens, chars)]}
-                      for vector, pieces, tokens, chars in out.value], out.usage)
+        return await json_response_off_loop(lambda: [
+            {"embedding": vector.tolist(),
+             "pieces": [{"embedding": e, "tokens": list(t), "chars": list(c)}
+                        for e, t, c in zip(pieces.tolist(), tokens, chars)]}
+            for vector, pieces, tokens, chars in out.value], out.usage)
 
     @app.post("/classify", response_model=list[list[ScoredLabel]], responses=_ERRORS)
     async def classify(body: ClassifyRequest, request: Request) -> Response:
@@ -167,7 +191,8 @@ def _add_routes(app: FastAPI, engine: Engine, metrics: ServiceMetrics) -> None:
 
     @app.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse, responses=_ERRORS)
     async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> Response:
-        out = await engine.embed(body.to_params(), _watch(request))
+        with params_named(inputs="input"):
+            out = await engine.embed(body.to_params(), _watch(request))
         if body.encoding_format == "base64":  # OpenAI's encoding: little-endian float32 bytes
             data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in out.value]
         else:
@@ -179,19 +204,21 @@ def _add_routes(app: FastAPI, engine: Engine, metrics: ServiceMetrics) -> None:
 
     @app.post("/tokenize", response_model=list[list[Token]], responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> Response:
-        return _json(await engine.tokenize(body.texts(), body.add_special_tokens))
+        tokens = await engine.tokenize(body.texts(), body.add_special_tokens)
+        return await json_response_off_loop(lambda: tokens)
 
     @app.get("/info")
     async def info() -> Response:
         return _json({**engine.info(), "version": VERSION})
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}}, openapi_extra=_OPEN)
+    # HEAD too: load balancers and uptime checkers probe with it
+    @app.api_route("/health", methods=["GET", "HEAD"], responses={503: {"model": ErrorResponse}}, openapi_extra=_OPEN)
     async def health() -> Response:
         if engine.state == "failed":
             return _error(NotReady(f"model failed to load ({engine.failure})"))
         return _json({"status": "ok"})
 
-    @app.get("/ready", responses={503: {"model": ErrorResponse}}, openapi_extra=_OPEN)
+    @app.api_route("/ready", methods=["GET", "HEAD"], responses={503: {"model": ErrorResponse}}, openapi_extra=_OPEN)
     async def ready() -> Response:
         if engine.state != "ready":
             return _error(NotReady(f"not ready: {engine.state}"))

@@ -1,4 +1,4 @@
-"""``yoso-serve``: parse flags (each also ``YOSO_<NAME>``), validate, run uvicorn with a graceful drain.
+"""``yoso-serve``: parse flags (each setting also ``YOSO_<NAME>``), validate, run uvicorn with a graceful drain.
 
 ``yoso-serve --prepare`` loads the model for its runtime (with ``--runtime hybrid``: the ONNX export into
 the cache, written once), prints the resolved runtime as JSON and exits 0 without serving (1 when the
@@ -21,15 +21,25 @@ import typing
 import uvicorn
 from pydantic import ValidationError
 
-from .settings import ServeSettings, describe_errors, env_name, flag_name
+from .settings import CPU_PADDING_TOKENS, CUDA_PADDING_TOKENS, ServeSettings, describe_errors, env_name, flag_name
+
+# What --help says for the settings whose default is None (decided later, or "not set").
+NONE_DEFAULTS = {
+    "model": "the bundled model",
+    "metrics_port": "off",
+    "api_key": "none (no key required)",
+    "max_padding_tokens": f"{CPU_PADDING_TOKENS} on CPU, {CUDA_PADDING_TOKENS} on CUDA",
+    "max_input_length": "the model's max_position_embeddings",
+    "threads": "torch's choice",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="yoso-serve", description="Serve a YOSO encoder over HTTP. Every flag is also an env var "
-        "YOSO_<NAME> (flags win). See docs/configuration.md.")
+        prog="yoso-serve", description="Serve a YOSO encoder over HTTP. Every setting is a flag and an env "
+        "var YOSO_<NAME> (flags win); --prepare is a flag only. See docs/configuration.md.")
     for name, field in ServeSettings.model_fields.items():
-        default = "model's" if field.default is None else field.default
+        default = NONE_DEFAULTS.get(name, "none") if field.default is None else field.default
         help_text = f"{field.description} [env {env_name(name)}; default {default}]"
         choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
         if field.annotation is bool:

@@ -27,7 +27,7 @@ from .params import ClassifyParams, EmbedParams, HiddenParams, Output, PiecesPar
 from .loading import LoadedModel, ServedModel
 from .scheduler import BatchScheduler, OutputKind, WorkItem
 from .settings import ServeSettings
-from .zero_shot import ranked, softmax, zero_shot_classify
+from .zero_shot import DEFAULT_SCORE_CENTER, ranked, softmax, zero_shot_classify
 
 log = logging.getLogger("yoso_serve.service")
 
@@ -213,16 +213,33 @@ class Engine:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- public calls -----------------------------------------------------------------
-    async def embed(self, p: EmbedParams, watch: Watch | None = None, *, warmup: bool = False) -> Output:
-        """Pooled embeddings (n, d) float32, normalised if asked, chunked long inputs combined."""
+    def check(self, p: EmbedParams | PiecesParams, *, warmup: bool = False) -> int | str:
+        """Every check :meth:`embed` (EmbedParams) or :meth:`embed_pieces` (PiecesParams) makes before it
+        tokenises, so that a route calling several of them refuses a request before any of them runs;
+        returns the request's hash count."""
+        if isinstance(p, PiecesParams):
+            self._check_open()
+            if self.model.config.pooling != "mean":
+                raise InvalidInput("pieces are means of token states, and this model pools by its first token "
+                                   "(pooling 'cls'); use /embed or /embed_all")
+            size = self._piece_tokens(p)
+            if not 1 <= size <= self.max_length:
+                raise InvalidInput(f"piece_tokens must be in [1, {self.max_length}] (the model's input length), "
+                                   f"got {size}", param="piece_tokens")
+            return self._check_hidden(p)
         self._check_open(warmup)
         hashes = self._hashes(p.hashes)
         self._check_texts(p.texts)
         if p.dimensions is not None and not 1 <= p.dimensions <= self.model.config.hidden_size:
             raise InvalidInput(f"dimensions must be in [1, {self.model.config.hidden_size}] (the "
                                f"model's hidden size), got {p.dimensions}", param="dimensions")
+        return hashes
+
+    async def embed(self, p: EmbedParams, watch: Watch | None = None, *, warmup: bool = False) -> Output:
+        """Pooled embeddings (n, d) float32, normalised if asked, chunked long inputs combined."""
+        hashes = self.check(p, warmup=warmup)
         t0 = time.monotonic()
-        pieces, _ = await self._tokenize(p.texts, p.truncation_direction, p.long_input)
+        pieces, _ = await self._tokenize(p.texts, p.truncation_direction, p.long_input, chunk_hint=p.chunk_hint)
         usage = Usage(tokenize_ms=1000 * (time.monotonic() - t0))
         flat = [(i, ids, w) for i, windows in enumerate(pieces) for ids, w in windows]
         rows = await self._run([ids for _, ids, _ in flat], hashes, OutputKind.EMBED, p.pooling, usage, watch, [i for i, *_ in flat])
@@ -240,34 +257,31 @@ class Engine:
 
     async def embed_all(self, p: HiddenParams, watch: Watch | None = None) -> Output:
         """Last hidden states per input: a list of (n_tokens_i, d) float32 arrays."""
-        rows, usage, _ = await self._hidden_states(p, watch)
+        hashes = self._check_hidden(p)
+        rows, usage, _ = await self._run_whole_inputs(p, hashes, OutputKind.HIDDEN, watch, vector_tokens=1)
         return Output(rows, usage)
 
-    async def _hidden_states(self, p: HiddenParams, watch: Watch | None, *,
-                             offsets: bool = False) -> tuple[list, Usage, list | None]:
-        """:meth:`embed_all`'s checks and pass; with ``offsets`` also each input's character offsets per token."""
+    def _check_hidden(self, p: HiddenParams) -> int | str:
         self._check_open()
         hashes = self._hashes(p.hashes)
         self._check_texts(p.texts)
         if p.long_input == "chunk":
             raise InvalidInput("long_input='chunk' is only for pooled embeddings (/embed); use "
                                "'truncate' or 'error' here", param="long_input")
-        return await self._run_whole_inputs(p, hashes, OutputKind.HIDDEN, watch, offsets=offsets)
+        return hashes
+
+    def _piece_tokens(self, p: PiecesParams) -> int:
+        return min(PIECE_TOKENS, self.max_length) if p.piece_tokens is None else p.piece_tokens
 
     async def embed_pieces(self, p: PiecesParams, watch: Watch | None = None) -> Output:
         """Per input, from one pass: its pooled embedding (as :meth:`embed` without chunking) and the mean
         token state of each consecutive ``piece_tokens``-token piece (model/pieces.py), with each piece's
         token and character bounds: ``[(vector (d,), pieces (k, d), [(tok_a, tok_b)], [(char_a, char_b)])]``."""
-        self._check_open()
-        if self.model.config.pooling != "mean":
-            raise InvalidInput("pieces are means of token states, and this model pools by its first token "
-                               "(pooling 'cls'); use /embed or /embed_all")
-        size = min(PIECE_TOKENS, self.max_length) if p.piece_tokens is None else p.piece_tokens
-        if not 1 <= size <= self.max_length:
-            raise InvalidInput(f"piece_tokens must be in [1, {self.max_length}] (the model's input length), got "
-                               f"{size}", param="piece_tokens")
+        hashes = self.check(p)
+        size = self._piece_tokens(p)
         # the token states of one pass per input, and the character offsets of the same tokenisation
-        states, usage, offsets = await self._hidden_states(p, watch, offsets=True)
+        states, usage, offsets = await self._run_whole_inputs(p, hashes, OutputKind.HIDDEN, watch, offsets=True,
+                                                              vector_tokens=size)
         out = []
         for hidden, offs in zip(states, offsets):
             whole, means, _ = piece_means(torch.from_numpy(hidden)[None], torch.ones(1, len(hidden)), size)
@@ -284,16 +298,29 @@ class Engine:
         if p.labels is None:
             return await self._classify_head(p, watch)
         return await zero_shot_classify(p, watch, embed=self.embed, check_texts=self._check_texts,
-                                        max_labels=self.settings.max_client_batch_size)
+                                        max_labels=self.settings.max_client_batch_size, center=self.score_center)
 
     async def _run_whole_inputs(self, p, hashes: int | str, kind: OutputKind, watch: Watch | None, *,
-                                offsets: bool = False) -> tuple[list, Usage, list | None]:
+                                offsets: bool = False, vector_tokens: int | None = None) -> tuple[list, Usage, list | None]:
         """Tokenise p.texts (one window each: no chunking) and run them; (rows, usage, each text's character
-        offsets per token when ``offsets``, else None)."""
+        offsets per token when ``offsets``, else None).
+
+        With ``vector_tokens`` the answer holds a vector per that many tokens of each input (1: /embed_all's token
+        states; n: /embed_pieces' pieces), and a request may ask for at most ``max_batch_tokens`` vectors: the
+        states of one full batch, about 125 MB of JSON at 384 dimensions."""
         t0 = time.monotonic()
         pieces, spans = await self._tokenize(p.texts, p.truncation_direction, p.long_input, offsets=offsets)
         usage = Usage(tokenize_ms=1000 * (time.monotonic() - t0))
-        return await self._run([w[0][0] for w in pieces], hashes, kind, None, usage, watch), usage, spans
+        seqs = [w[0][0] for w in pieces]
+        if vector_tokens is not None:
+            vectors, limit = sum(-(-len(ids) // vector_tokens) for ids in seqs), self.settings.max_batch_tokens
+            if vectors > limit:
+                pieces_ = isinstance(p, PiecesParams)
+                each = f"one per {vector_tokens}-token piece" if pieces_ else "one per token"
+                raise InvalidInput(f"the answer would hold {vectors} vectors ({each}), above max_batch_tokens "
+                                   f"({limit}) vectors per request; send fewer or shorter inputs"
+                                   + (", or larger pieces" if pieces_ else ""), param="inputs")
+        return await self._run(seqs, hashes, kind, None, usage, watch), usage, spans
 
     async def _classify_head(self, p: ClassifyParams, watch: Watch | None) -> Output:
         if not self.model.has_classifier:
@@ -343,6 +370,13 @@ class Engine:
         return await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, lambda: self.model.tokenizer.tokenizer.decode_batch(batch, skip_special_tokens))
 
+    @property
+    def score_center(self) -> float:
+        """The cosine /rerank and zero-shot multi-label /classify score 0.5: the model's (config.json
+        ``score_center``), else DEFAULT_SCORE_CENTER."""
+        center = getattr(self.model.config, "score_center", None) if self.model is not None else None
+        return DEFAULT_SCORE_CENTER if center is None else float(center)
+
     def info(self) -> dict:
         cfg = self.model.config if self.model is not None else None
         s = self.settings
@@ -360,6 +394,7 @@ class Engine:
             "max_hashes": s.max_hashes,
             "has_classifier": None if cfg is None else self.model.has_classifier,
             "labels": None if cfg is None else list(self.model.id2label.values()),
+            "score_center": None if cfg is None else self.score_center,
             "backend": self.backend,
             "device": self.device,
             "runtime": self.runtime,
@@ -399,21 +434,23 @@ class Engine:
             log.info("inputs: %r", texts)
 
     async def _tokenize(self, texts: list[str], side: str, long_input: str, *, offsets: bool = False,
+                        chunk_hint: bool = False,
                         ) -> tuple[list[list[tuple[list[int], int]]], list[list[tuple[int, int]]] | None]:
         """Per text, its windows ``(ids with specials, weight)``: one window unless chunked; and with
-        ``offsets`` (not chunked) each text's character offsets per token, from the same tokenisation."""
+        ``offsets`` (not chunked) each text's character offsets per token, from the same tokenisation.
+        ``chunk_hint``: the route takes long_input 'chunk', so the over-length error may suggest it."""
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         with self.scheduler.checked(request_budget(self.settings.request_timeout), sum(map(len, texts))) as done:
             pieces, spans = await loop.run_in_executor(self._tokenize_pool, self._split, texts, side, long_input,
-                                                       offsets)
+                                                       offsets, chunk_hint)
             done.lengths = [len(ids) for windows in pieces for ids, _ in windows]
         self.metrics.tokenize_duration.observe(time.monotonic() - t0)
         for n in done.lengths:
             self.metrics.input_length.observe(n)
         return pieces, spans
 
-    def _split(self, texts: list[str], side: str, long_input: str, offsets: bool = False,
+    def _split(self, texts: list[str], side: str, long_input: str, offsets: bool = False, chunk_hint: bool = False,
                ) -> tuple[list[list[tuple[list[int], int]]], list[list[tuple[int, int]]] | None]:
         tok = self.model.tokenizer
         if long_input != "chunk":
@@ -424,8 +461,11 @@ class Engine:
                 encoded = [(ids, None) for ids in tok.encode(texts, max_length=limit, truncation_side=side)]
             for i, (ids, _) in enumerate(encoded):
                 if len(ids) > self.max_length:
-                    raise InvalidInput(f"input {i} has {len(ids)} tokens, above the limit of {self.max_length}; "
-                                       "shorten it or send long_input='truncate' or 'chunk'", param="inputs")
+                    # only long_input 'error' (or TEI's truncate: false) gets here: the client turned truncation off
+                    raise InvalidInput(f"input {i} has {len(ids)} tokens, above the limit of {self.max_length} (the "
+                                       "model's input length), and the request turned truncation off; shorten it, "
+                                       "allow truncation" + (", or send long_input='chunk'" if chunk_hint else ""),
+                                       param="inputs")
             return [[(ids, len(ids))] for ids, _ in encoded], [o for _, o in encoded] if offsets else None
         if offsets:
             raise ValueError("character offsets are for whole inputs, not chunks")

@@ -47,6 +47,13 @@ class PayloadTooLarge(ServiceError):
     default_code = "payload_too_large"
 
 
+class UnsupportedMediaType(ServiceError):
+    """The body is not plain JSON: another content-type, or compressed (content-encoding)."""
+
+    type = "invalid_request_error"
+    default_code = "unsupported_media_type"
+
+
 class InvalidInput(ServiceError):
     """The request is well-formed but breaks a limit or a rule (empty input, too long, ...)."""
 
@@ -103,6 +110,7 @@ STATUS: dict[type[ServiceError], int] = {
     NotFound: 404,
     MethodNotAllowed: 405,
     PayloadTooLarge: 413,
+    UnsupportedMediaType: 415,
     InvalidInput: 422,
     Overloaded: 429,
     ClientGone: 499,

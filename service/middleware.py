@@ -16,7 +16,8 @@ import uuid
 from dataclasses import dataclass
 
 from .admission import client_deadline, parse_client_timeout
-from .errors import InternalError, PayloadTooLarge, ServiceError, Unauthorized, error_response_parts, failure_reason
+from .errors import (ClientGone, InternalError, PayloadTooLarge, ServiceError, Unauthorized, UnsupportedMediaType,
+                     error_response_parts, failure_reason)
 from .metrics import ServiceMetrics
 
 log = logging.getLogger("yoso_serve.service")
@@ -83,6 +84,8 @@ class EdgeMiddleware:
         deadline_token = None
         try:
             error = self._check_key(path, headers)
+            if error is None and work and scope["method"] == "POST":  # another method is the router's 405
+                error = _check_media(headers)
             if error is None and work:
                 error, deadline_token = self._client_deadline(headers)
             body = b""
@@ -137,8 +140,8 @@ class EdgeMiddleware:
         chunks, size = [], 0
         while True:
             message = await receive()
-            if message["type"] == "http.disconnect":
-                break
+            if message["type"] == "http.disconnect":  # what came is not the whole body: nothing to answer
+                return b"", ClientGone("the client disconnected before sending the whole body", param="body")
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.payload_limit:  # a chunked body has no content-length to check up front
@@ -153,6 +156,22 @@ class EdgeMiddleware:
         status, headers, body = error_response_parts(exc)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _check_media(headers: dict) -> UnsupportedMediaType | None:
+    """Work routes take plain JSON (as text-embeddings-inference does): content-type application/json (or a
+    +json type, parameters such as charset allowed) and no content-encoding."""
+    raw = headers.get(b"content-type", b"").decode("latin-1")
+    media = raw.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        what = f"content-type {raw!r}" if raw else "no content-type"
+        return UnsupportedMediaType(f"the body must be JSON sent with content-type: application/json; got {what}",
+                                    param="content-type")
+    encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
+    if encoding not in ("", "identity"):
+        return UnsupportedMediaType(f"content-encoding {encoding!r} is not supported; send the body uncompressed "
+                                    "(--payload-limit is counted on it as sent)", param="content-encoding")
+    return None
 
 
 def _replay(body: bytes, receive):

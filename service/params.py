@@ -17,6 +17,7 @@ class EmbedParams:
     hashes: int | str | None = None  # an int, "auto", or None (the server's)
     long_input: str = "truncate"  # "truncate" | "chunk" | "error"
     dimensions: int | None = None
+    chunk_hint: bool = False  # the route takes long_input 'chunk': the over-length error may suggest it
 
 
 @dataclass(frozen=True)

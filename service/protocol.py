@@ -34,13 +34,18 @@ Text = Annotated[str, Field(min_length=1)]
 # A label needs one character that is not blank by Python's str.isspace() (the engine's rule). The
 # blanks are listed, not written \s: \s means other sets to Python, to pydantic's Rust regex and to
 # JavaScript (\x1c-\x1f, \x85, \ufeff), and clients check the schema's pattern with any of them.
-Label = Annotated[str, Field(pattern=r"[^\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]")]
+LABEL_PATTERN = r"[^\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+Label = Annotated[str, Field(pattern=LABEL_PATTERN)]
+TEMPLATE_PATTERN = r"\{\}"
 Hashes = _integer(0, "LSH samples; 0 = exact YOSO-E. Default: the server's. Only for attention_type=yoso "
                   "models (422 otherwise).")
 
 # Union branches are picked by the input's JSON type, so an error names only the branch the client
 # meant; the tags name those branches in error locations, which the error handler leaves out.
 UNION_TAGS = frozenset({"text", "list", "single", "batch"})
+# What a pattern asks for, in words: the error handler says this instead of quoting the regex.
+PATTERN_MEANS = {LABEL_PATTERN: "String should contain a character that is not blank",
+                 TEMPLATE_PATTERN: "String should contain {} (where each label goes)"}
 
 
 def _text_or_list(value) -> str:
@@ -93,7 +98,7 @@ class EmbedRequest(_Request):
         return EmbedParams(texts=_as_list(self.inputs), normalize=self.normalize,
                            truncation_direction=self.truncation_direction, pooling=self.pooling,
                            hashes=self.hashes, long_input=_long_input(self.long_input, self.truncate),
-                           dimensions=self.dimensions)
+                           dimensions=self.dimensions, chunk_hint=True)
 
 
 class EmbedAllRequest(_Request):
@@ -170,9 +175,12 @@ class OpenAIEmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Positive | None = Field(
         None, description="Keep the first n dimensions, then renormalise.")
+    hashes: HashCount = Field(None, description="yoso-serve's own, as on /embed: LSH samples, 0 = exact "
+                              "YOSO-E, \"auto\"; default the server's.")
 
     def to_params(self) -> EmbedParams:
-        return EmbedParams(texts=_as_list(self.input), normalize=True, dimensions=self.dimensions)
+        return EmbedParams(texts=_as_list(self.input), normalize=True, dimensions=self.dimensions,
+                           hashes=self.hashes)
 
 
 # --- text-embeddings-inference's routes (/predict, /rerank, /similarity, /decode) -----------------
@@ -245,9 +253,10 @@ class RerankRequest(_Request):
         as pieces when ``piece_tokens`` is set."""
         common = dict(truncation_direction=self.truncation_direction, hashes=self.hashes,
                       long_input=_long_input(self.long_input, self.truncate))
-        texts = (EmbedParams(list(self.texts), **common) if self.piece_tokens is None
+        whole = self.piece_tokens is None  # pieces need one pass per text, so then no chunking either
+        texts = (EmbedParams(list(self.texts), chunk_hint=True, **common) if whole
                  else PiecesParams(list(self.texts), piece_tokens=self.piece_tokens, **common))
-        return EmbedParams([self.query], **common), texts
+        return EmbedParams([self.query], chunk_hint=whole, **common), texts
 
 
 class SimilarityInput(_Request):
@@ -274,7 +283,7 @@ class SimilarityRequest(_Request):
 class ZeroShotParameters(_Request):
     candidate_labels: Annotated[list[Label], Field(min_length=1, json_schema_extra={"uniqueItems": True})]
     multi_label: bool = False
-    hypothesis_template: Annotated[str, Field(pattern=r"\{\}")] | None = Field(
+    hypothesis_template: Annotated[str, Field(pattern=TEMPLATE_PATTERN)] | None = Field(
         None, description="Each label is embedded as this text with the label in place of {}.")
 
     @field_validator("candidate_labels")

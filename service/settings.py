@@ -43,7 +43,8 @@ class ServeSettings(BaseSettings):
                                   "than LSH there (measured: docs/benchmarks.md); 0 = never. Torch runtime only.")
     max_hashes: int = Field(256, ge=0, description="Largest hash count a request may ask for.")
     max_batch_tokens: int = Field(16384, ge=1, description="Token budget of one batch, counted "
-                                  "padded (batch size x longest input).")
+                                  "padded (batch size x longest input); also the most vectors one /embed_all "
+                                  "(token states) or /embed_pieces (pieces) answer may hold.")
     max_batch_requests: int = Field(64, ge=1, description="Most inputs in one batch.")
     max_padding_tokens: int | None = Field(None, ge=0, description="Most padding tokens one input may "
                                            "add to a batch (a forward's fixed cost, counted in tokens); "

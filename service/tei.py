@@ -11,7 +11,6 @@ not with a cross-encoder.
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -23,8 +22,8 @@ from .engine import Engine
 from .errors import InvalidInput, MalformedRequest, NotReady
 from .protocol import (DecodeRequest, EmbedRequest, PredictRequest, Rank, RerankRequest, ScoredLabel,
                        SimilarityRequest, ZeroShotRequest)
-from .responses import ERRORS, json_response, watch
-from .zero_shot import ZERO_SHOT_SCALE, ZERO_SHOT_THRESHOLD
+from .responses import ERRORS, json_response, params_named, watch
+from .zero_shot import calibrated
 
 # The bodies POST / takes; /openapi.json narrows them to the loaded model's (see schema.py).
 ROOT_BODIES = (EmbedRequest, SimilarityRequest, PredictRequest, ZeroShotRequest)
@@ -39,12 +38,19 @@ def _ref(model: type[BaseModel]) -> dict:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
+def _loads(body: bytes):
+    """The body's JSON, or a 400 naming what is wrong with it."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise MalformedRequest("malformed JSON body: nested too deeply to read", param="body") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, and a number over Python's digit limit
+        raise MalformedRequest(f"malformed JSON body: {exc}", param="body") from None
+
+
 def _parse(body: bytes, model: type[BaseModel]) -> BaseModel:
     """Validate a body read by hand the way FastAPI validates declared ones (same 400/422 answers)."""
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise MalformedRequest(f"malformed JSON body: {exc}", param="body") from None
+    data = _loads(body)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -54,8 +60,8 @@ def _parse(body: bytes, model: type[BaseModel]) -> BaseModel:
 def _root_kind(raw: bytes, head: bool) -> type[BaseModel]:
     """Which body POST / got, by its shape; a malformed one goes to the model's default parser."""
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        data = _loads(raw)
+    except MalformedRequest:
         data = None
     data = data if isinstance(data, dict) else {}
     parameters = data.get("parameters")
@@ -64,17 +70,6 @@ def _root_kind(raw: bytes, head: bool) -> type[BaseModel]:
     if head:
         return PredictRequest
     return SimilarityRequest if isinstance(data.get("inputs"), dict) else EmbedRequest
-
-
-@contextmanager
-def _inputs_named(field: str):
-    """The engine names its inputs ``inputs``; /rerank's are ``query`` and ``texts``."""
-    try:
-        yield
-    except InvalidInput as exc:
-        if exc.param == "inputs":
-            exc.param = field
-        raise
 
 
 def _predictions(rows: list[list[tuple[str, float]]], top_k: int | None) -> list[list[dict]]:
@@ -102,7 +97,8 @@ def add_tei_routes(app: FastAPI, engine: Engine) -> None:
 
     async def zero_shot(body: ZeroShotRequest, request: Request) -> Response:
         params = body.to_params()
-        out = await engine.classify(params, watch(request))
+        with params_named(labels="parameters.candidate_labels"):
+            out = await engine.classify(params, watch(request))
         names = dict(zip(params.labels, body.parameters.candidate_labels))  # templated → as sent
         return json_response([{"label": names[label], "score": score} for label, score in out.value[0]], out.usage)
 
@@ -135,10 +131,12 @@ def add_tei_routes(app: FastAPI, engine: Engine) -> None:
         """Texts ranked by cosine similarity to the query, best first: of each text's embedding, or with
         ``piece_tokens`` of its best piece (named in the answer)."""
         query_params, text_params = body.params()
-        with _inputs_named("query"):
+        with params_named(inputs="texts"):  # refused before the query runs, as a request, not half-way
+            engine.check(text_params)
+        with params_named(inputs="query"):
             query = await engine.embed(query_params, watch(request))
         q = query.value[0]
-        with _inputs_named("texts"):
+        with params_named(inputs="texts"):
             if body.piece_tokens is None:
                 texts = await engine.embed(text_params, watch(request))
                 cosines, best = texts.value @ q, None
@@ -147,7 +145,7 @@ def add_tei_routes(app: FastAPI, engine: Engine) -> None:
                 sims = [pieces @ q for _, pieces, _, _ in texts.value]
                 best = [int(np.argmax(s)) for s in sims]
                 cosines = np.array([s[b] for s, b in zip(sims, best)])
-        scores = cosines if body.raw_scores else 1 / (1 + np.exp(-ZERO_SHOT_SCALE * (cosines - ZERO_SHOT_THRESHOLD)))
+        scores = cosines if body.raw_scores else calibrated(cosines, engine.score_center)
 
         def rank(i: int) -> dict:
             out = {"index": i, "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}

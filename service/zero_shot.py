@@ -13,16 +13,23 @@ from .errors import InvalidInput
 from .params import ClassifyParams, EmbedParams, Output
 
 # Cosine similarities are scaled by 1/0.05 before the softmax (the temperature contrastive sentence
-# encoders are trained with), and for multi-label each label is sigmoid(20 * (cos - 0.3)): a cosine of
-# 0.3 (typical "related" for MiniLM-style encoders) scores 0.5.
+# encoders are trained with), and for multi-label each label is sigmoid(20 * (cos - c)), c the model's
+# score_center (config.json, measured per model by model/train/retrieval.py calibrate_center): the cosine
+# that best tells related short texts from unrelated ones, which scores 0.5. Without one, 0.3: what the
+# same measurement gives all-MiniLM-L6-v2 (0.29-0.33); the bundled model, trained further, has its own.
 ZERO_SHOT_SCALE = 20.0
-ZERO_SHOT_THRESHOLD = 0.3
+DEFAULT_SCORE_CENTER = 0.3
+
+
+def calibrated(cosines: np.ndarray, center: float) -> np.ndarray:
+    """Cosines as scores in (0, 1): sigmoid(ZERO_SHOT_SCALE (cos - center))."""
+    return 1.0 / (1.0 + np.exp(-ZERO_SHOT_SCALE * (cosines - center)))
 
 Embed = Callable[..., Awaitable[Output]]  # Engine.embed: (EmbedParams, watch) → normalised vectors
 
 
 async def zero_shot_classify(p: ClassifyParams, watch, *, embed: Embed, check_texts: Callable[[list[str]], None],
-                             max_labels: int) -> Output:
+                             max_labels: int, center: float = DEFAULT_SCORE_CENTER) -> Output:
     """Per input, ``[(label, score), ...]`` sorted by score, highest first; the labels' tokens and
     inference time are counted in the usage."""
     if not p.labels or any(not label.strip() for label in p.labels) or len(set(p.labels)) != len(p.labels):
@@ -37,7 +44,7 @@ async def zero_shot_classify(p: ClassifyParams, watch, *, embed: Embed, check_te
     if p.raw_scores:
         scores = sims
     elif p.multi_label:
-        scores = 1.0 / (1.0 + np.exp(-ZERO_SHOT_SCALE * (sims - ZERO_SHOT_THRESHOLD)))
+        scores = calibrated(sims, center)
     else:
         scores = softmax(ZERO_SHOT_SCALE * sims)
     usage = texts.usage

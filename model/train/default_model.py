@@ -22,7 +22,8 @@ Stages, each resumable and each writing under ``--work`` (default ``runs/default
               longdoc-data-unseen/transfer_docs.jsonl: a second source kept out
     serve-settings  the serving settings (int8 hashing) into the config.json of stage six's model and of the
               final one: the piece stages train with the served hashing, and every evaluation below
-              measures what is served
+              measures what is served; and the final model's score_center (the cosine /rerank scores
+              0.5), measured on short pairs of the training sources' held-out pages
     longdoc5  stage six continued with a third loss on the pieces of the one pass: span → the mean token
               states of the crop's consecutive 128-token pieces (``--w-segment``), so that a document indexed
               piece by piece beats chunks of the same size encoded alone
@@ -312,6 +313,28 @@ SERVED_SETTINGS = {"hash_int8": True}
 SERVED_FROM = "longdoc4"
 
 
+# Short pairs of the held-out pages of the training sources (never the sources kept out, which measure
+# transfer) from which serve-settings measures the final model's score_center (retrieval.calibrate_center).
+CALIBRATION_DATA = ("longdoc-data-wide", "heldout_docs.jsonl")
+
+
+def write_score_center(model_dir: Path, data: Path) -> dict:
+    """Measure ``score_center`` of the model in ``model_dir`` on the documents of ``data`` (JSONL) and write it
+    into its config.json; returns the measurement."""
+    from yoso_serve.model import load_pretrained
+
+    from .retrieval import calibrate_center
+
+    with open(data, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    found = calibrate_center(load_pretrained(model_dir), rows)
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["score_center"] = found["score_center"]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return found
+
+
 def apply_served_settings(model_dir: Path) -> dict:
     """Write SERVED_SETTINGS into ``model_dir``/config.json (idempotent); returns the config."""
     path = model_dir / "config.json"
@@ -449,6 +472,12 @@ def main(argv: list[str] | None = None) -> int:
                 if (model / "config.json").is_file():
                     apply_served_settings(model)
                     print(f"{model}: served with {SERVED_SETTINGS}")
+            final = final_model(work)
+            # once per trained final model: retraining writes a config.json without it (the stages start from
+            # models that never had one)
+            config = final / "config.json"
+            if config.is_file() and json.loads(config.read_text(encoding="utf-8")).get("score_center") is None:
+                print(f"{final}: {json.dumps(write_score_center(final, work.joinpath(*CALIBRATION_DATA)))}")
         elif stage == "bundle":
             from .model_card import bundle
 

@@ -323,3 +323,35 @@ def short_retrieval(emb: Embedders, firsts: list[str], rests: list[str]) -> list
              **scores(emb.student_one_pass(firsts), emb.student_one_pass(rests))},
             {"method": "teacher", "pairs": len(firsts),
              **scores(emb.teacher_truncated(firsts), emb.teacher_truncated(rests))}]
+
+
+def score_center(related: torch.Tensor, unrelated: torch.Tensor) -> float:
+    """The cosine that best tells related pairs from unrelated ones: the threshold (a multiple of 0.01) with the
+    lowest mean of the two error rates, the middle one where several tie. The service maps cosines to scores in
+    (0, 1) as sigmoid(20 (cos − centre)) (/rerank, zero-shot /classify with multi_label), so this cosine scores
+    0.5 and a score above 0.5 says "more likely related than not" for pairs like these."""
+    candidates = torch.arange(-100, 101, dtype=torch.float64) / 100
+    missed = (related.double()[None, :] < candidates[:, None]).double().mean(1)
+    passed = (unrelated.double()[None, :] >= candidates[:, None]).double().mean(1)
+    error = (missed + passed) / 2
+    best = (error == error.min()).nonzero().flatten()
+    return round(float(candidates[best].mean()), 2)
+
+
+def calibrate_center(model: EncoderModel, rows: list[dict], *, pairs: int = 300, seed: int = 0,
+                     device: torch.device = torch.device("cpu")) -> dict:
+    """:func:`score_center` of ``model`` at the served setting ("auto") on short pairs of ``rows`` (documents):
+    related = a paragraph's first sentence and the rest of it; unrelated = the same first sentence and the rest
+    of the next document's paragraph (one pair per document, so never the same document)."""
+    firsts, rests = short_pairs(rows, max_pairs=pairs, seed=seed)
+    if len(firsts) < 2:
+        raise ValueError(f"calibration needs paragraphs from at least 2 documents, got {len(firsts)}")
+    emb = Embedders(model, None, hashes="auto", window=model.config.max_length, device=device)
+    a = F.normalize(emb.student_one_pass(firsts), dim=-1)
+    b = F.normalize(emb.student_one_pass(rests), dim=-1)
+    related, unrelated = (a * b).sum(-1), (a * b.roll(1, 0)).sum(-1)
+    center = score_center(related, unrelated)
+    return {"score_center": center, "pairs": len(firsts),
+            "related_median": round(float(related.median()), 3), "unrelated_median": round(float(unrelated.median()), 3),
+            "related_above": round(float((related >= center).double().mean()), 3),
+            "unrelated_above": round(float((unrelated >= center).double().mean()), 3)}

@@ -126,6 +126,12 @@ def test_openai_sdk_float_base64_and_dimensions(servers):
     cut = want[:, :64] / np.linalg.norm(want[:, :64], axis=1, keepdims=True)
     np.testing.assert_allclose([d.embedding for d in short.data], cut, atol=1e-5)
     assert default.model == "yoso" and default.usage.prompt_tokens > 0
+    # yoso-serve's hashes through the SDK's extra_body, as docs/api.md says: /embed's vector at that count (not
+    # the default's: a short text runs exact under auto)
+    few = client.embeddings.create(model="yoso", input=TEXTS[0], encoding_format="float", extra_body={"hashes": 2})
+    want_few = httpx.post(f"{url}/embed", json={"inputs": TEXTS[0], "hashes": 2}, timeout=60).json()[0]
+    np.testing.assert_allclose(few.data[0].embedding, want_few, atol=1e-5)
+    assert np.abs(np.array(want_few) - want[0]).max() > 1e-3
     import openai
 
     with pytest.raises(openai.UnprocessableEntityError, match="max_client_batch_size 16"):

@@ -66,7 +66,7 @@ def test_400_malformed_json_and_404_405(tiny_dir, serve, metric):
     assert "malformed JSON" in error_of(bad_root, 400)["message"]
     assert error_of(missing, 404)["code"] == "not_found"
     allowed = {("GET", "/embed"): "POST", ("PUT", "/"): "POST", ("TRACE", "/rerank"): "POST",
-               ("POST", "/health"): "GET"}
+               ("POST", "/health"): "GET, HEAD"}
     for (verb, path), r in methods.items():  # RFC 9110: a 405 carries Allow
         err = error_of(r, 405)
         assert err["code"] == "method_not_allowed" and f"{verb} is not allowed on {path}" in err["message"]
@@ -146,7 +146,23 @@ def test_413_by_content_length_and_by_chunked_body(tiny_dir, serve):
     ("/embed_pieces", {"inputs": ["a"] * 5}, "inputs", "max_client_batch_size 4"),
     ("/classify", {"inputs": "hi"}, "labels", "no classification head"),
     ("/classify", {"inputs": "hi", "labels": []}, "labels", "at least 1 item"),
-    ("/classify", {"inputs": "hi", "labels": ["a", " \x1c"]}, "labels", "labels.1: String should match"),
+    ("/classify", {"inputs": "hi", "labels": ["a", " \x1c"]}, "labels",
+     "labels.1: String should contain a character that is not blank"),
+    ("/", {"inputs": "hi", "parameters": {"candidate_labels": ["a"], "hypothesis_template": "no slot"}},
+     "parameters", "parameters.hypothesis_template: String should contain {}"),
+    # a field of several forms: each form's words once, pydantic's names for the forms left out
+    ("/embed", {"inputs": "hi", "hashes": "AUTO"}, "hashes", "hashes: Input should be a valid integer or 'auto'"),
+    ("/embed", {"inputs": "hi", "hashes": 4.5}, "hashes", "hashes: Input should be a valid integer or 'auto'"),
+    ("/embed", {"inputs": "hi", "hashes": -2}, "hashes",
+     "hashes: Input should be greater than or equal to 0 or 'auto'"),
+    # the field as the route's body names it
+    ("/v1/embeddings", {"input": ["a"] * 5}, "input", "max_client_batch_size 4"),
+    ("/", {"inputs": "hi", "parameters": {"candidate_labels": list("abcde")}}, "parameters.candidate_labels",
+     "5 labels is above max_client_batch_size 4"),
+    # over the input length with truncation off: the way out the route offers
+    ("/embed", {"inputs": "word " * 100, "truncate": False}, "inputs", "or send long_input='chunk'"),
+    ("/rerank", {"query": "q", "texts": ["word " * 100], "long_input": "error"}, "texts",
+     "or send long_input='chunk'"),
     ("/classify", {"inputs": "hi", "labels": ["a", "a"]}, "labels", "distinct"),
     ("/v1/embeddings", {"input": "hi", "encoding_format": "int8"}, "encoding_format", "float"),
     ("/tokenize", {"inputs": []}, "inputs", "at least 1 item"),
@@ -174,6 +190,104 @@ def test_422_names_the_field_and_the_limit(tiny_dir, serve, path, body, param, w
 
     err = error_of(asyncio.run(main()), 422)
     assert err["param"] == param and words in err["message"], err
+    assert "function-before" not in err["message"] and "literal[" not in err["message"], err
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/embed_all", {"inputs": "word " * 100, "long_input": "error"}),
+    ("/embed_pieces", {"inputs": "word " * 100, "truncate": False}),
+    ("/classify", {"inputs": "word " * 100, "labels": ["a"], "truncate": False}),
+    ("/similarity", {"inputs": {"source_sentence": "word " * 100, "sentences": ["a"]}, "parameters": {"truncate": False}}),
+    ("/rerank", {"query": "q", "texts": ["word " * 100], "truncate": False, "piece_tokens": 8}),
+])
+def test_over_length_error_offers_only_what_the_route_takes(tiny_dir, serve, path, body):
+    """Routes that cannot chunk (whole-input outputs, pieces, fields without long_input) do not suggest it."""
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            return await c.post(path, json=body)
+
+    message = error_of(asyncio.run(main()), 422)["message"]
+    assert "limit of 64 (the model's input length)" in message and "allow truncation" in message, message
+    assert "chunk" not in message, message
+
+
+def test_vectors_per_answer_are_capped_at_max_batch_tokens(tiny_dir, serve):
+    """/embed_all answers a vector per token and /embed_pieces one per piece: a request may ask for one full
+    batch's worth (max_batch_tokens), so one legal request cannot build gigabytes of JSON."""
+    text = "word " * 40  # 42 tokens with the specials
+
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16, max_batch_tokens=64) as c:
+            return (await c.post("/embed_all", json={"inputs": [text, text]}),
+                    await c.post("/embed_pieces", json={"inputs": [text, text], "piece_tokens": 1}),
+                    await c.post("/embed_pieces", json={"inputs": [text, text], "piece_tokens": 8}),
+                    await c.post("/embed_all", json={"inputs": text}))
+
+    states, small_pieces, pieces, one = asyncio.run(main())
+    err = error_of(states, 422)
+    assert err["param"] == "inputs" and "84 vectors (one per token), above max_batch_tokens (64)" in err["message"], err
+    assert "84 vectors (one per 1-token piece), above max_batch_tokens (64)" in error_of(small_pieces, 422)["message"]
+    assert pieces.status_code == 200 and len(pieces.json()[0]["pieces"]) == 6  # 12 pieces in all
+    assert one.status_code == 200 and len(one.json()[0]) == 42
+
+
+def test_rerank_refuses_a_bad_texts_field_before_the_query_runs(tiny_dir, serve, metric):
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            query = "word " * 50
+            before = metric(c, "yoso_tokens_processed_total")  # the warm-up's
+            bad = [await c.post("/rerank", json={"query": query, "texts": ["a"], "piece_tokens": 65}),
+                   await c.post("/rerank", json={"query": query, "texts": ["a"] * 65}),
+                   await c.post("/rerank", json={"query": query, "texts": ["a"], "piece_tokens": 8,
+                                                 "long_input": "chunk"})]
+            return bad, metric(c, "yoso_tokens_processed_total") - before
+
+    bad, tokens = asyncio.run(main())
+    assert [r.status_code for r in bad] == [422, 422, 422]
+    assert tokens == 0  # the query was never run
+
+
+@pytest.mark.parametrize("path", ["/", "/embed", "/similarity"])
+@pytest.mark.parametrize("raw,words", [
+    (b'{"inputs":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    (b'{"inputs": "x", "hashes": ' + b"1" * 5000 + b"}", "4300"),
+])
+def test_unreadable_json_is_a_400_on_every_route(tiny_dir, serve, path, raw, words):
+    """Nesting past the parser's recursion limit and integers past Python's digit limit: a 400 that says
+    so, on the routes FastAPI parses and on /, which parses by hand."""
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            return await c.post(path, content=raw, headers={"content-type": "application/json"})
+
+    err = error_of(asyncio.run(main()), 400)
+    assert err["param"] == "body" and words in err["message"], err
+
+
+def test_a_body_cut_short_by_a_disconnect_is_a_499_and_runs_nothing(tiny_dir, serve, metric):
+    """The client sends part of the body and leaves: what came is not parsed as if it were the request."""
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            app, before = c.app, metric(c, "yoso_tokens_processed_total")  # the warm-up's
+            sent = []
+            messages = iter([{"type": "http.request", "body": b'{"inputs": "abc"}', "more_body": True},
+                             {"type": "http.disconnect"}])
+
+            async def receive():
+                return next(messages, {"type": "http.disconnect"})
+
+            async def send(message):
+                sent.append(message)
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": "/embed", "raw_path": b"/embed", "query_string": b"",
+                     "root_path": "", "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+                     "client": ("127.0.0.1", 1), "server": ("test", 80)}
+            await app(scope, receive, send)
+            return sent, metric(c, "yoso_requests_total", route="/embed", status="499"), \
+                metric(c, "yoso_tokens_processed_total") - before
+
+    sent, closed, tokens = asyncio.run(main())
+    assert sent[0]["status"] == 499 and closed == 1 and tokens == 0
 
 
 def test_429_when_the_queue_is_full_with_retry_after(tiny_dir, serve, metric):
@@ -334,3 +448,65 @@ def test_embed_pieces_on_a_model_that_pools_its_first_token_is_a_clear_422(tiny_
     err = error_of(pieces, 422)
     assert "pools by its first token" in err["message"] and "/embed" in err["message"]
     assert embed.status_code == 200  # the model still serves everything else
+
+
+def test_large_answers_are_built_off_the_event_loop():
+    """/embed_all's and /embed_pieces' answers (a vector per token or piece, up to max_batch_tokens of them)
+    become lists and JSON on a worker thread: on the loop they would stall /health and every other request."""
+    from yoso_serve.service.responses import json_response_off_loop
+
+    async def main():
+        loop_thread = threading.get_ident()
+        seen = []
+
+        def build():
+            seen.append(threading.get_ident())
+            return [[0.5, 1.0]]
+
+        response = await json_response_off_loop(build)
+        return loop_thread, seen, response
+
+    loop_thread, seen, response = asyncio.run(main())
+    assert seen and seen[0] != loop_thread
+    assert response.body == b"[[0.5,1.0]]" and response.media_type == "application/json"
+
+
+@pytest.mark.parametrize("headers,param,words", [
+    ({}, "content-type", "got no content-type"),
+    ({"content-type": "application/x-www-form-urlencoded"}, "content-type",  # what curl -d sends by default
+     "content-type: application/json; got content-type 'application/x-www-form-urlencoded'"),
+    ({"content-type": "text/plain"}, "content-type", "got content-type 'text/plain'"),
+    ({"content-type": "application/json", "content-encoding": "gzip"}, "content-encoding",
+     "content-encoding 'gzip' is not supported"),
+])
+def test_415_for_a_body_that_is_not_plain_json(tiny_dir, serve, metric, headers, param, words):
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            before = metric(c, "yoso_tokens_processed_total")
+            refused = [await c.post(path, content=b'{"inputs": "hi"}', headers=headers) for path in ("/embed", "/")]
+            fine = [await c.post("/embed", content=b'{"inputs": "hi"}', headers={"content-type": t})
+                    for t in ("application/json", "Application/JSON; charset=utf-8", "application/vnd.api+json")]
+            return refused, fine, metric(c, "yoso_tokens_processed_total") - before
+
+    refused, fine, tokens = asyncio.run(main())
+    for r in refused:
+        err = error_of(r, 415)
+        assert err["param"] == param and words in err["message"] and err["code"] == "unsupported_media_type", err
+    assert [r.status_code for r in fine] == [200, 200, 200]
+    assert tokens == 3 * 3  # [CLS] hi [SEP], three times: the refused ones ran nothing
+
+
+def test_openai_route_honours_hashes_and_probes_answer_head(tiny_dir, serve):
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            return (await c.post("/v1/embeddings", json={"input": "hi", "hashes": 0}),
+                    await c.post("/v1/embeddings", json={"input": "hi", "hashes": 3}),
+                    await c.post("/embed", json={"inputs": "hi", "hashes": 3}),
+                    await c.post("/v1/embeddings", json={"input": "hi", "hashes": 1000}),
+                    await c.head("/health"), await c.head("/ready"))
+
+    exact, sampled, embed, bad, health, ready = asyncio.run(main())
+    assert exact.headers["x-hashes"] == "0" and sampled.headers["x-hashes"] == "3"
+    assert sampled.json()["data"][0]["embedding"] == pytest.approx(embed.json()[0], abs=1e-6)
+    assert error_of(bad, 422)["param"] == "hashes"
+    assert health.status_code == 200 and ready.status_code == 200 and health.content == b""

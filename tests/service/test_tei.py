@@ -259,3 +259,33 @@ def test_root_answers_the_inference_apis_zero_shot_body_from_classify(tiny_dir, 
         assert r.json() == [{"label": names[w["label"]], "score": w["score"]} for w in want[key].json()[0]]
     assert got[False, None].json()[0]["label"] == labels[0]  # the label equal to the text wins
     assert bad.status_code == 422 and "candidate_labels must be distinct" in bad.json()["error"]["message"]
+
+
+def test_scores_centre_on_the_models_score_center(tiny_dir, tiny, serve, tmp_path):
+    """/rerank and zero-shot multi-label /classify score sigmoid(20 (cos - c)), c the model's score_center
+    (config.json), 0.3 for a model without one; /info says which."""
+    import shutil
+
+    centred = tmp_path / "centred"
+    shutil.copytree(tiny_dir, centred)
+    config = json.loads((centred / "config.json").read_text())
+    assert config.get("score_center") is None
+    (centred / "config.json").write_text(json.dumps({**config, "score_center": 0.55}))
+    query, docs, labels = "a fox jumps", TEXTS, ["animals", "money"]
+
+    async def main(path):
+        async with serve(path, chunk_overlap=16) as c:
+            return ((await c.get("/info")).json()["score_center"],
+                    (await c.post("/rerank", json={"query": query, "texts": docs})).json(),
+                    (await c.post("/classify", json={"inputs": query, "labels": labels, "multi_label": True})).json())
+
+    cosines = direct_embed(tiny, docs) @ direct_embed(tiny, [query])[0]
+    label_cosines = direct_embed(tiny, labels) @ direct_embed(tiny, [query])[0]
+    for path, center in ((tiny_dir, 0.3), (centred, 0.55)):
+        info, ranks, classes = asyncio.run(main(path))
+        assert info == center
+        np.testing.assert_allclose([r["score"] for r in sorted(ranks, key=lambda r: r["index"])],
+                                   1 / (1 + np.exp(-20 * (cosines - center))), atol=1e-4)
+        by_label = {x["label"]: x["score"] for x in classes[0]}
+        np.testing.assert_allclose([by_label[x] for x in labels], 1 / (1 + np.exp(-20 * (label_cosines - center))),
+                                   atol=1e-4)

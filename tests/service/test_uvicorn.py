@@ -31,17 +31,50 @@ def server(tmp_path_factory, yoso_server):
     yoso_server.stop(proc)
 
 
-def curl_examples() -> list[str]:
-    """Every curl command in the README's and docs/api.md's bash blocks, continuation lines joined.
+def curl_examples() -> list[tuple[str, object]]:
+    """Every curl command in the README's and docs/api.md's bash blocks, continuation lines joined, with
+    the output the doc shows for it: the parsed ```json block that comes right after its bash block
+    (nothing but blank lines between), else None. Such a block must be complete JSON and its bash block
+    hold one curl; an abbreviated output ("...") is fenced as text, so it is not compared.
 
     The README's deployment examples name other hosts or images and are not replayed."""
     text = (ROOT / "README.md").read_text().split("## Deploy on a GPU node")[0] + (ROOT / "docs" / "api.md").read_text()
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            if line.strip().startswith("curl"):
-                commands.append(line.strip())
-    return commands
+    blocks = list(re.finditer(r"```(\w*)\n(.*?)```", text, flags=re.S))
+    examples = []
+    for i, block in enumerate(blocks):
+        if block.group(1) != "bash":
+            continue
+        commands = [line.strip() for line in block.group(2).replace("\\\n", " ").splitlines()
+                    if line.strip().startswith("curl")]
+        after = blocks[i + 1] if i + 1 < len(blocks) else None
+        expected = None
+        if after is not None and after.group(1) == "json" and not text[block.end():after.start()].strip():
+            assert len(commands) == 1, f"a json block follows a bash block of {len(commands)} curl commands"
+            try:
+                expected = json.loads(after.group(2))
+            except json.JSONDecodeError as err:
+                raise AssertionError(f"the output shown for {commands[0]} is not JSON ({err}); fence an "
+                                     "abbreviated one as text") from None
+        examples.extend((command, expected) for command in commands)
+    return examples
+
+
+def assert_matches(actual, expected, where: str = "$") -> None:
+    """``actual`` has ``expected``'s structure, keys, strings and list order, and its numbers within
+    0.01 (the docs round them)."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and set(actual) == set(expected), (where, actual, expected)
+        for key in expected:
+            assert_matches(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, list):
+        assert isinstance(actual, list) and len(actual) == len(expected), (where, actual, expected)
+        for k, (a, e) in enumerate(zip(actual, expected)):
+            assert_matches(a, e, f"{where}[{k}]")
+    elif isinstance(expected, (int, float)) and not isinstance(expected, bool):
+        assert isinstance(actual, (int, float)) and not isinstance(actual, bool), (where, actual, expected)
+        assert abs(actual - expected) <= 0.01 + 1e-9, f"{where}: the doc shows {expected}, the server returned {actual}"
+    else:
+        assert actual == expected and type(actual) is type(expected), (where, actual, expected)
 
 
 def run_example(command: str, base: str) -> tuple[int, str]:
@@ -62,13 +95,14 @@ def test_docs_curl_examples_work_as_written(server):
     url, _, cache = server
     examples = curl_examples()
     assert len(examples) >= 13
+    assert sum(expected is not None for _, expected in examples) >= 5
     info = httpx.get(f"{url}/info", timeout=10).json()
     hidden = info["config"]["hidden_size"]
     # the default runtime (auto) is torch on CPU and on CUDA, and exports nothing
     assert info["runtime"] == "torch" and info["runtime_reason"].startswith(f"auto on {info['device']}: torch"), info
     assert list(cache.iterdir()) == []
     seen = set()
-    for command in examples:
+    for command, expected in examples:
         status, body = run_example(command, url)
         assert status == 200, (command, body)
         route = re.search(r"localhost:8080(/[\w/]*)", command).group(1)
@@ -77,6 +111,8 @@ def test_docs_curl_examples_work_as_written(server):
             assert "yoso_model_info" in body
             continue
         data = json.loads(body)
+        if expected is not None:  # what the doc shows right after the command
+            assert_matches(data, expected, f"{command}\n$")
         if route == "/embed" and isinstance(data, list) and len(data) == 2:
             vectors = np.array(data)
             assert vectors.shape == (2, hidden)
@@ -100,6 +136,18 @@ def test_docs_curl_examples_work_as_written(server):
             assert data == ["hello"]
     assert seen >= {"/embed", "/embed_all", "/v1/embeddings", "/classify", "/tokenize", "/info", "/health",
                     "/ready", "/metrics", "/", "/similarity", "/rerank", "/decode"}
+
+
+def test_help_names_the_default_of_every_unset_setting():
+    from yoso_serve.service.cli import NONE_DEFAULTS, build_parser
+    from yoso_serve.service.settings import ServeSettings
+
+    unset = {name for name, field in ServeSettings.model_fields.items() if field.default is None}
+    assert unset == set(NONE_DEFAULTS)
+    text = " ".join(build_parser().format_help().split())
+    assert "default model's" not in text
+    assert "[env YOSO_THREADS; default torch's choice]" in text
+    assert "[env YOSO_MAX_PADDING_TOKENS; default 64 on CPU, 2048 on CUDA]" in text
 
 
 def test_metrics_port_serves_the_same_registry(server):

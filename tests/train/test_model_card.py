@@ -327,9 +327,20 @@ def test_pipeline_waits_for_a_stage_stopped_by_its_time_limit(tmp_path, monkeypa
     (work / "longdoc7" / "model" / "config.json").write_text(json.dumps({"num_hash": 32, "hash_int8": False}))
     calls.clear()
     monkeypatch.setattr("yoso_serve.model.train.model_card.bundle", lambda *a: calls.append("bundle"))
+    centred = []
+
+    def write_center(model_dir, data):  # the measurement itself: tests/train/test_calibration.py
+        centred.append((model_dir, data))
+        path = model_dir / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "score_center": 0.43}))
+        return {"score_center": 0.43}
+
+    monkeypatch.setattr(default_model, "write_score_center", write_center)
     assert default_model.main(["all", "--work", str(work)]) == 0
-    # the evaluations and the bundle see the served settings
-    assert json.loads((work / "longdoc7" / "model" / "config.json").read_text()) == {"num_hash": 32, "hash_int8": True}
+    # the evaluations and the bundle see the served settings, and the final model's score centre
+    assert json.loads((work / "longdoc7" / "model" / "config.json").read_text()) == \
+        {"num_hash": 32, "hash_int8": True, "score_center": 0.43}
+    assert centred == [(work / "longdoc7" / "model", work / "longdoc-data-wide" / "heldout_docs.jsonl")]
     assert calls[:12] == [str(work / "distill"), str(work / "refine"), "longdoc-data", str(work / "longdoc"),
                           str(work / "longdoc2"), str(work / "longdoc3"), "longdoc-data-wide", str(work / "longdoc4"),
                           "longdoc-data-unseen", str(work / "longdoc5"), str(work / "longdoc6"),
