@@ -104,15 +104,38 @@ class ThroughputEstimate:
         s.batches += 1
 
     def known(self, hashes: int) -> bool:
+        """Whether a batch of this hash count has been measured."""
         return hashes in self._by_hashes
 
+    def predictable(self, hashes: int) -> bool:
+        """Whether this hash count's speed can be told: measured, or an LSH count while another is (below)."""
+        return self._stand_in(hashes) is not None
+
+    def _stand_in(self, hashes: int) -> tuple[int, float] | None:
+        """(a measured count, the factor on its speed) that stands for ``hashes``: itself when measured. For an
+        LSH count no batch has run yet (any count in [1, max_hashes] may come in a request), the fewest measured
+        hashes above it at their own speed, or else the most measured below it at its speed x m0/m, as if all
+        of a forward's cost grew with the hash count. Both err slow, so the admission refuses early rather than
+        letting requests time out in the queue. An unmeasured exact count (0) has no stand-in: its cost grows
+        with the square of the length, not with anything measured."""
+        if hashes in self._by_hashes:
+            return hashes, 1.0
+        lsh = [h for h in self._by_hashes if h > 0]
+        if hashes <= 0 or not lsh:
+            return None
+        above = [h for h in lsh if h > hashes]
+        if above:
+            return min(above), 1.0
+        return max(lsh), max(lsh) / hashes
+
     def padded_tokens_per_s(self, hashes: int) -> float:
-        s = self._by_hashes[hashes]
-        return s.padded / s.seconds
+        count, factor = self._stand_in(hashes)
+        s = self._by_hashes[count]
+        return factor * s.padded / s.seconds
 
     def padding(self, hashes: int) -> float:
         """Padded tokens computed per real token queued (1.0 = no padding)."""
-        s = self._by_hashes[hashes]
+        s = self._by_hashes[self._stand_in(hashes)[0]]
         return s.padded / s.real
 
     def seconds_for(self, hashes: int, real_tokens: float) -> float:
@@ -132,7 +155,7 @@ class Running:
 @dataclass(frozen=True)
 class Admission:
     """``reason`` is None when admitted, else ``"queue_full"`` or ``"predicted_wait"``;
-    ``predicted_wait`` is None when it could not be predicted (a hash count not measured yet)."""
+    ``predicted_wait`` is None when it could not be predicted (exact mode, 0, not measured yet)."""
 
     reason: str | None
     predicted_wait: float | None
@@ -161,10 +184,11 @@ class AdmissionPolicy:
 
     def predicted_wait(self, queued: Mapping[int, int], running: Running | None) -> float | None:
         """Seconds until a request joining the queue now starts: what is left of the running batch
-        plus every queued token at its hash count's speed. None when any of those hash counts has
-        no batch measured yet (then only the token cap applies)."""
+        plus every queued token at its hash count's speed (measured, or a stand-in's:
+        :meth:`ThroughputEstimate.predictable`). None when one of those counts has no speed to go by
+        (then only the token cap applies)."""
         hashes = {h for h, n in queued.items() if n > 0} | ({running.hashes} if running else set())
-        if not all(self.estimate.known(h) for h in hashes):
+        if not all(self.estimate.predictable(h) for h in hashes):
             return None
         wait = sum(self.estimate.seconds_for(h, n) for h, n in queued.items() if n > 0)
         if running is not None:

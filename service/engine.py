@@ -121,6 +121,9 @@ class Engine:
         self.state = "loading"  # loading → ready → draining; or failed
         self.failure: str | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="yoso-tokenize")
+        # /tokenize and /decode on a thread of their own: a burst of them (up to a 2 MB body each) cannot
+        # queue ahead of the tokenisation of model work, which admission counts and they would not be
+        self._text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="yoso-text")
         self.scheduler: BatchScheduler | None = None
         self.device: str | None = None
         self.max_length: int | None = None  # tokens per input, specials included
@@ -211,6 +214,7 @@ class Engine:
         if self.scheduler is not None:
             self.scheduler.close(timeout)
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- public calls -----------------------------------------------------------------
     def check(self, p: EmbedParams | PiecesParams, *, warmup: bool = False) -> int | str:
@@ -348,15 +352,17 @@ class Engine:
         self._check_texts(texts)
         tok = self.model.tokenizer
         specials = set(tok.wrap([]))
-        encoded = await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, lambda: tok.encode_with_offsets(texts, add_special_tokens))
-        out = []
-        for text, (ids, offsets) in zip(texts, encoded):
-            names = tok.decode_tokens(ids)
-            out.append([{"id": i, "text": name if (special := i in specials and (a, b) == (0, 0))
-                         else text[a:b], "start": a, "stop": b, "special": special}
-                        for i, name, (a, b) in zip(ids, names, offsets)])
-        return out
+
+        def tokens() -> list[list[dict]]:  # on the worker: a 2 MB text is ~500k tokens, seconds of Python
+            out = []
+            for text, (ids, offsets) in zip(texts, tok.encode_with_offsets(texts, add_special_tokens)):
+                names = tok.decode_tokens(ids)
+                out.append([{"id": i, "text": name if (special := i in specials and (a, b) == (0, 0))
+                             else text[a:b], "start": a, "stop": b, "special": special}
+                            for i, name, (a, b) in zip(ids, names, offsets)])
+            return out
+
+        return await asyncio.get_running_loop().run_in_executor(self._text_pool, tokens)
 
     async def decode(self, batch: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
         """Per list of token ids, its text (the inverse of tokenize)."""
@@ -368,7 +374,7 @@ class Engine:
         if any(i >= vocab for ids in batch for i in ids):
             raise InvalidInput(f"token ids must be in [0, {vocab}) (the vocabulary size)", param="ids")
         return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, lambda: self.model.tokenizer.tokenizer.decode_batch(batch, skip_special_tokens))
+            self._text_pool, lambda: self.model.tokenizer.tokenizer.decode_batch(batch, skip_special_tokens))
 
     @property
     def score_center(self) -> float:

@@ -42,6 +42,13 @@ class MethodNotAllowed(ServiceError):
     default_code = "method_not_allowed"
 
 
+class BodyTimeout(ServiceError):
+    """The client stopped sending its body part-way (or never started)."""
+
+    type = "timeout_error"
+    default_code = "body_timeout"
+
+
 class PayloadTooLarge(ServiceError):
     type = "invalid_request_error"
     default_code = "payload_too_large"
@@ -109,6 +116,7 @@ STATUS: dict[type[ServiceError], int] = {
     Unauthorized: 401,
     NotFound: 404,
     MethodNotAllowed: 405,
+    BodyTimeout: 408,
     PayloadTooLarge: 413,
     UnsupportedMediaType: 415,
     InvalidInput: 422,

@@ -9,6 +9,7 @@ the traceback in the server log only.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -16,11 +17,15 @@ import uuid
 from dataclasses import dataclass
 
 from .admission import client_deadline, parse_client_timeout
-from .errors import (ClientGone, InternalError, PayloadTooLarge, ServiceError, Unauthorized, UnsupportedMediaType,
-                     error_response_parts, failure_reason)
+from .errors import (BodyTimeout, ClientGone, InternalError, PayloadTooLarge, ServiceError, Unauthorized,
+                     UnsupportedMediaType, error_response_parts, failure_reason)
 from .metrics import ServiceMetrics
 
 log = logging.getLogger("yoso_serve.service")
+
+# Seconds a request body may go without a byte arriving (nginx's client_body_timeout): a client that stops
+# part-way holds a connection and an in-flight slot until then, and gets a 408.
+BODY_IDLE_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class RouteTable:
@@ -139,7 +144,11 @@ class EdgeMiddleware:
             return b"", too_large
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_IDLE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return b"", BodyTimeout(f"no byte of the request body arrived for {BODY_IDLE_TIMEOUT_S:g} s; "
+                                        "send the whole body at once", param="body")
             if message["type"] == "http.disconnect":  # what came is not the whole body: nothing to answer
                 return b"", ClientGone("the client disconnected before sending the whole body", param="body")
             chunk = message.get("body", b"")

@@ -247,7 +247,9 @@ class BatchScheduler:
             self.metrics.failures.labels("client_disconnected").inc()
             error: ServiceError = ClientGone("client disconnected before the input ran")
         else:
-            error = DeadlineExceeded(f"input waited longer than its deadline ({item.deadline - item.enqueued:.1f} s: "
+            # the deadline counts from the request's arrival, so tokenisation may have used all of it (then 0.0 s)
+            left = max(0.0, item.deadline - item.enqueued)
+            error = DeadlineExceeded(f"input waited longer than its deadline ({left:.1f} s left of it when queued: "
                                      f"request_timeout, or x-request-timeout when lower) in the queue; retry later")
         self._resolve(item, error=error)
 

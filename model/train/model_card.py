@@ -255,7 +255,7 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         "Mean pooling, 384 dimensions, served by default with 32 hashes "
         f"(`num_hash` 32, `hash_code_len` 8, {_family(config)} hash projections, {hashing}a YOSO-C value convolution of width "
         f"{r_config.get('conv_window')}); `hashes=0` gives the exact "
-        "expectation (YOSO-E).", "",
+        "expectation (YOSO-E)." + _centre(served), "",
         "## Data", "",
         f"Stages 1–2: the Python 3.11 documentation (Debian package python3.11-doc), split into sections with the "
         f"stdlib html.parser; train / held-out split by page (SHA-1 of the path, 10 %): "
@@ -414,6 +414,16 @@ def _piece_stages(stages: list[tuple[dict, int, float, int]]) -> list[str]:
                              w=cfg.get("w_segment", 0.0))
             + f". {minutes:.1f} minutes over {sessions} session(s)."
             for i, (cfg, steps, minutes, sessions) in enumerate(stages)]
+
+
+def _centre(served: dict) -> str:
+    """The card's sentence on the model's score centre, when the serve-settings stage measured one."""
+    if served.get("score_center") is None:
+        return ""
+    return (f" Its `score_center` is {served['score_center']:g}: the cosine that best separates a paragraph's first "
+            "sentence paired with the rest of it from one paired with another document's paragraph (held-out pages "
+            "of the training sources, measured by the `serve-settings` stage), which `/rerank` and zero-shot "
+            "multi-label `/classify` score 0.5.")
 
 
 def bundle(work: Path, target: Path) -> bool:

@@ -71,17 +71,31 @@ def test_the_running_batch_counts_what_is_left_of_it():
     assert policy.predicted_wait({}, overdue) == 0.0
 
 
-def test_each_hash_count_at_its_own_speed_and_unmeasured_ones_fall_back_to_the_token_cap():
+def test_each_hash_count_at_its_own_speed_or_a_measured_stand_ins():
     policy = _policy(rate=1000, hashes=32, cap=5000)
     policy.estimate.observe(0, 100, 100, 1.0)  # exact attention: 100 tokens/s
     assert policy.predicted_wait({32: 1000, 0: 100}, None) == pytest.approx(2.0)
-    # hash count 8 never ran: nothing to predict, any deadline is admitted below the cap
-    assert policy.predicted_wait({8: 10}, None) is None
-    assert policy.decide(queued={8: 10}, running=None, budget=0.001, tokens=10).admitted
-    assert policy.predicted_wait({}, Running(8, 10, 0.0)) is None
-    full = policy.decide(queued={8: 4000}, running=None, budget=100, tokens=2000)
+    # an LSH count that never ran goes at a measured one's speed, erring slow: 8 at 32's (more hashes cost
+    # more), 64 at 32's halved (as if all cost grew with the count)
+    assert not policy.estimate.known(8) and policy.estimate.predictable(8)
+    assert policy.predicted_wait({8: 1000}, None) == pytest.approx(1.0)
+    assert policy.predicted_wait({64: 1000}, None) == pytest.approx(2.0)
+    assert policy.predicted_wait({}, Running(64, 2000, 1.0)) == pytest.approx(3.0)
+    refused = policy.decide(queued={128: 1000}, running=None, budget=4.0, tokens=10)  # 4 s ahead > 0.8 x 4 s
+    assert refused.reason == "predicted_wait" and refused.predicted_wait == pytest.approx(4.0)
+    policy.estimate.observe(64, 1000, 1000, 1.5)  # once 64 ran, its own speed counts
+    assert policy.predicted_wait({64: 1000}, None) == pytest.approx(1.5)
+    assert policy.predicted_wait({48: 1000}, None) == pytest.approx(1.5)  # the fewest measured above 48: 64
+    # exact mode that never ran has no stand-in (its cost grows with length squared): the token cap alone
+    exact = _policy(rate=1000, hashes=32, cap=5000)
+    assert exact.predicted_wait({0: 10}, None) is None
+    assert exact.decide(queued={0: 10}, running=None, budget=0.001, tokens=10).admitted
+    assert exact.predicted_wait({}, Running(0, 10, 0.0)) is None
+    full = exact.decide(queued={0: 4000}, running=None, budget=100, tokens=2000)
     assert full.reason == "queue_full" and "max_queue_tokens=5000" in full.message
     assert full.retry_after == 1  # 1000 tokens over, at the fallback 1000 tokens/s
+    # nothing measured at all: no LSH count has a stand-in either
+    assert AdmissionPolicy(max_queue_tokens=10).predicted_wait({8: 10}, None) is None
     full = policy.decide(queued={32: 4000}, running=None, budget=100, tokens=3000)
     assert full.reason == "queue_full" and full.retry_after == 2  # 2000 over at the measured 1000/s
     assert policy.decide(queued={}, running=None, budget=100, tokens=10**6).admitted  # empty queue: any size

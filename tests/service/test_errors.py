@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import threading
 import time
@@ -347,13 +348,14 @@ def test_503_while_loading_and_while_draining(tiny_dir, serve):
     assert draining[2].status_code == 200  # liveness is not readiness
 
 
-@pytest.mark.parametrize("first_hashes", [None, 4])
+@pytest.mark.parametrize("first_hashes", [None, 4, 0])
 def test_429_at_once_when_predicted_late_and_504_when_nothing_could_predict_it(tiny_dir, serve, metric,
                                                                                 first_hashes):
     # The first input holds the model for 0.4 s; the second's deadline is 0.1 s. At the served hash
     # count the warm-up's speed probe (as long as the first input: the tiny model's 64 tokens, also
-    # 0.4 s) measured the speed, so the second is refused at once; at a hash count never run before
-    # there is nothing to predict from, it is queued and outlives its deadline.
+    # 0.4 s) measured the speed, so the second is refused at once; so it is behind an LSH count never run
+    # before (4), predicted at the served count's speed. Behind exact mode never run before (0) there is
+    # nothing to predict from: it is queued and outlives its deadline.
     async def main():
         async with serve(tiny_dir, chunk_overlap=16, load_model=slow_loader(tiny_dir, 0.4),
                          max_batch_requests=1, request_timeout=0.1) as c:
@@ -365,7 +367,7 @@ def test_429_at_once_when_predicted_late_and_504_when_nothing_could_predict_it(t
 
     first, late, deadline, rejected = asyncio.run(main())
     assert first.status_code == 200
-    if first_hashes is None:
+    if first_hashes != 0:
         err = error_of(late, 429)
         assert err["code"] == "predicted_wait" and "deadline of 0.10 s" in err["message"]
         assert int(late.headers["retry-after"]) >= 1 and rejected == 1 and deadline == 0
@@ -510,3 +512,69 @@ def test_openai_route_honours_hashes_and_probes_answer_head(tiny_dir, serve):
     assert sampled.json()["data"][0]["embedding"] == pytest.approx(embed.json()[0], abs=1e-6)
     assert error_of(bad, 422)["param"] == "hashes"
     assert health.status_code == 200 and ready.status_code == 200 and health.content == b""
+
+
+def test_a_body_that_stops_arriving_is_a_408_and_frees_its_slot(tiny_dir, serve, metric, monkeypatch):
+    """A client that sends part of its body and then nothing (slowloris) holds its connection and in-flight
+    slot only until the body idle timeout; then a 408, and nothing runs."""
+    from yoso_serve.service import middleware
+
+    monkeypatch.setattr(middleware, "BODY_IDLE_TIMEOUT_S", 0.2)
+
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            before = metric(c, "yoso_tokens_processed_total")
+            sent = []
+            first = True
+
+            async def receive():
+                nonlocal first
+                if first:
+                    first = False
+                    return {"type": "http.request", "body": b'{"inputs": "ab', "more_body": True}
+                await asyncio.sleep(3600)  # the rest never comes
+
+            async def send(message):
+                sent.append(message)
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": "/embed", "raw_path": b"/embed", "query_string": b"",
+                     "root_path": "", "headers": [(b"content-type", b"application/json")],
+                     "client": ("127.0.0.1", 1), "server": ("test", 80)}
+            await asyncio.wait_for(c.app(scope, receive, send), 10)
+            return (sent, metric(c, "yoso_requests_total", route="/embed", status="408"),
+                    metric(c, "yoso_in_flight_requests"), metric(c, "yoso_tokens_processed_total") - before)
+
+    sent, timed_out, in_flight, tokens = asyncio.run(main())
+    assert sent[0]["status"] == 408 and timed_out == 1 and in_flight == 0 and tokens == 0
+    body = json.loads(sent[1]["body"])["error"]
+    assert body["code"] == "body_timeout" and "0.2 s" in body["message"]
+
+
+def test_a_burst_of_tokenize_calls_cannot_hold_up_model_work(tiny_dir, serve):
+    """/tokenize and /decode run on a thread of their own: while three /tokenize calls are stuck in the
+    tokenizer, /embed's tokenisation (on the model work's pool, which admission counts) still runs."""
+    gate, names = threading.Event(), []
+
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            tok = c.app.state.engine.model.tokenizer
+            real = tok.encode_with_offsets
+
+            def stuck(*args, **kwargs):
+                names.append(threading.current_thread().name)
+                gate.wait(20)
+                return real(*args, **kwargs)
+
+            tok.encode_with_offsets = stuck
+            try:
+                blocked = [asyncio.create_task(c.post("/tokenize", json={"inputs": f"text {i}"})) for i in range(3)]
+                await asyncio.sleep(0.2)
+                embed = await asyncio.wait_for(c.post("/embed", json={"inputs": "hello"}), 10)
+            finally:
+                gate.set()
+            return embed, await asyncio.gather(*blocked)
+
+    embed, tokenized = asyncio.run(main())
+    assert embed.status_code == 200 and [r.status_code for r in tokenized] == [200, 200, 200]
+    assert names and all(n.startswith("yoso-text") for n in names), names

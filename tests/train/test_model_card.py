@@ -140,6 +140,7 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert "--conv-window 33 --conv-lr-scale 40" in card and "yoso-train longdoc --model" in card
     assert "| 32 | 0.9180 | 0.8180 |" in card  # agreement is still reported
     assert "int8 hashing" not in card  # the tiny model hashes in fp32
+    assert "score_center" not in card  # nor was its centre measured
     assert "| stage 5's model, one pass | 300 | 900 | 0.580 | 0.630 | 2.00 |" in card
     assert "6. longdoc4 (seed 7): stage 5 continued for 10 optimizer steps on the wider corpus (Data above) with " \
            "the distillation weight at 0.5, otherwise as stage 5. 6.0 minutes over 1 session(s)." in card
@@ -198,9 +199,13 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     want = retrieval.pooled_margin(list(hits.values()))
     assert want["recall_at_1"] == pytest.approx(2 / 17)
     default_model.apply_served_settings(winning / "longdoc7" / "model")
+    served = winning / "longdoc7" / "model" / "config.json"
+    served.write_text(json.dumps({**json.loads(served.read_text()), "score_center": 0.43}))  # serve-settings' centre
     assert bundle(winning, target)
     card = (target / "MODEL_CARD.md").read_text()
     assert "int8 hashing (`hash_int8`" in card and load_pretrained(target).config.hash_int8
+    assert "Its `score_center` is 0.43: the cosine that best separates" in card
+    assert load_pretrained(target).config.score_center == 0.43
     assert card == (winning / "MODEL_CARD.md").read_text()
     assert "deep recall@1 at least the windowed teacher's + 0.05: met" in card
     assert ("The one vector's recall@1 minus the windowed teacher's: +0.090 (95 % interval over documents +0.060 to "
