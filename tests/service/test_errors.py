@@ -26,6 +26,14 @@ def error_of(r, status):
     return body["error"]
 
 
+def embed_scope(*headers: tuple[bytes, bytes]) -> dict:
+    """The ASGI scope of a JSON POST /embed, for tests that play the client's side of the protocol by hand."""
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": "/embed", "raw_path": b"/embed", "query_string": b"", "root_path": "",
+            "headers": [(b"content-type", b"application/json"), *headers], "client": ("127.0.0.1", 1),
+            "server": ("test", 80)}
+
+
 def slow_loader(path, delay: float = 0.3, *, fail: bool = False, gate: threading.Event | None = None):
     """The real tiny model with a forward that takes ``delay`` s (or raises), to fill the queue on purpose."""
     def load():
@@ -279,11 +287,7 @@ def test_a_body_cut_short_by_a_disconnect_is_a_499_and_runs_nothing(tiny_dir, se
             async def send(message):
                 sent.append(message)
 
-            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                     "scheme": "http", "path": "/embed", "raw_path": b"/embed", "query_string": b"",
-                     "root_path": "", "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
-                     "client": ("127.0.0.1", 1), "server": ("test", 80)}
-            await app(scope, receive, send)
+            await app(embed_scope((b"content-length", b"100")), receive, send)
             return sent, metric(c, "yoso_requests_total", route="/embed", status="499"), \
                 metric(c, "yoso_tokens_processed_total") - before
 
@@ -537,11 +541,7 @@ def test_a_body_that_stops_arriving_is_a_408_and_frees_its_slot(tiny_dir, serve,
             async def send(message):
                 sent.append(message)
 
-            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                     "scheme": "http", "path": "/embed", "raw_path": b"/embed", "query_string": b"",
-                     "root_path": "", "headers": [(b"content-type", b"application/json")],
-                     "client": ("127.0.0.1", 1), "server": ("test", 80)}
-            await asyncio.wait_for(c.app(scope, receive, send), 10)
+            await asyncio.wait_for(c.app(embed_scope(), receive, send), 10)
             return (sent, metric(c, "yoso_requests_total", route="/embed", status="408"),
                     metric(c, "yoso_in_flight_requests"), metric(c, "yoso_tokens_processed_total") - before)
 
