@@ -7,10 +7,11 @@ message that says how to fix it, not on the first request.
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from yoso_serve.model.hashes import AUTO, AUTO_EXACT_BELOW, resolve_hashes
@@ -18,6 +19,10 @@ from yoso_serve.model.hashes import AUTO, AUTO_EXACT_BELOW, resolve_hashes
 # Defaults of --max-padding-tokens (see ServeSettings.padding_limit).
 CPU_PADDING_TOKENS = 64
 CUDA_PADDING_TOKENS = 2048
+# Upper bounds that keep a typo from crashing the process: torch sizes its thread pool by --threads (100000
+# segfaults it), and the drain's deadline must be a timestamp the platform can hold (inf or 1e30 overflow).
+MAX_THREADS = 1024
+MAX_DRAIN_S = 86400.0
 
 
 class ServeSettings(BaseSettings):
@@ -66,7 +71,7 @@ class ServeSettings(BaseSettings):
                                    "before it is dropped with 504. A request whose predicted wait is "
                                    "over 0.8 x this gets 429 at once; a client may ask for less with "
                                    "the x-request-timeout header, never more.")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads. Default: torch's "
+    threads: int | None = Field(None, ge=1, le=MAX_THREADS, description="torch CPU threads. Default: torch's "
                                 "choice (the number of cores).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when "
                                                    "available, else cpu.")
@@ -87,8 +92,18 @@ class ServeSettings(BaseSettings):
     log_texts: bool = Field(False, description="Log input texts (debugging only; off by default).")
     chunk_overlap: int = Field(64, ge=0, description="Tokens shared by neighbouring windows "
                                "when long_input=\"chunk\".")
-    drain_timeout: float = Field(30.0, ge=0, description="Seconds SIGTERM waits for accepted "
+    drain_timeout: float = Field(30.0, ge=0, le=MAX_DRAIN_S, description="Seconds SIGTERM waits for accepted "
                                  "requests to finish before cancelling them.")
+
+    @field_validator("host")
+    @classmethod
+    def _resolvable(cls, host: str) -> str:
+        """An address uvicorn cannot bind fails late and hard (the process aborts); say so at start."""
+        try:
+            socket.getaddrinfo(host, None)
+        except (socket.gaierror, UnicodeError) as exc:
+            raise ValueError(f"{host!r} is not an address or host name this machine can resolve ({exc})") from None
+        return host
 
     @model_validator(mode="after")
     def _check_start(self) -> "ServeSettings":
@@ -102,6 +117,9 @@ class ServeSettings(BaseSettings):
         if self.model is not None and not (self.model / "config.json").is_file():
             raise ValueError(f"--model {self.model} has no config.json; point --model / YOSO_MODEL "
                              "at a directory written by save_pretrained or yoso-convert")
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(f"--metrics-port {self.metrics_port} is --port too; give /metrics another port or "
+                             "leave --metrics-port unset (/metrics is always on the main port)")
         if self.max_input_length is not None and self.max_input_length > self.max_batch_tokens:
             raise ValueError(f"--max-input-length {self.max_input_length} is above "
                              f"--max-batch-tokens {self.max_batch_tokens}: one input must fit in a batch")

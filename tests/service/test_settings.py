@@ -73,6 +73,12 @@ def test_every_setting_has_a_flag_and_an_env_var(monkeypatch, tmp_path):
     (["--hashes", "300"], {}, "--hashes 300 is above --max-hashes 256"),
     (["--max-input-length", "9000", "--max-batch-tokens", "4096"], {}, "one input must fit in a batch"),
     (["--device", "cuda"], {}, "no CUDA device is visible"),
+    # values that crashed the process late (a segfault, an abort, an overflow at SIGTERM): refused at start
+    (["--threads", "100000"], {}, "--threads / YOSO_THREADS: Input should be less than or equal to 1024"),
+    (["--host", "999.1.1.1"], {}, "--host / YOSO_HOST: '999.1.1.1' is not an address or host name"),
+    ([], {"YOSO_DRAIN_TIMEOUT": "inf"}, "--drain-timeout / YOSO_DRAIN_TIMEOUT: Input should be less than or equal"),
+    (["--drain-timeout", "1e30"], {}, "--drain-timeout / YOSO_DRAIN_TIMEOUT: Input should be less than or equal"),
+    (["--metrics-port", "8080"], {}, "--metrics-port 8080 is --port too"),
 ])
 def test_bad_settings_exit_2_with_how_to_fix(tmp_path, monkeypatch, capsys, argv, env, fix):
     pytest.importorskip("torch")
