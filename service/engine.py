@@ -152,7 +152,10 @@ class Engine:
             raise
         except Exception as exc:
             self.state, self.failure = "failed", f"{type(exc).__name__}: {exc}"
-            log.exception("model failed to start")
+            if isinstance(exc, (ValueError, OSError)):  # a bad model or setting: its message says it all
+                log.error("model failed to start: %s", self.failure)
+            else:  # anything else is ours to debug
+                log.exception("model failed to start")
             raise
         if self.state != "loading":
             return

@@ -206,6 +206,7 @@ def test_a_model_that_cannot_start_exits_1_with_the_reason(tiny_dir, yoso_server
                           "--chunk-overlap", "100"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "--chunk-overlap 100 must be below the window of 62 tokens" in out.stderr
+    assert "Traceback" not in out.stderr  # a bad setting or model: one line says it all
 
 
 def test_overload_is_refused_at_once_with_429_not_left_to_504(yoso_server):
