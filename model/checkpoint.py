@@ -39,6 +39,16 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be read: missing file, unsupported config, bad weights."""
 
 
+def check_out_dir(src: str | Path, out: str | Path) -> None:
+    """Refuse an output directory that overlaps the source or is a file, before anything is written:
+    writing into the source would overwrite the checkpoint being read."""
+    src, out = Path(src).resolve(), Path(out).resolve()
+    if out == src or src in out.parents or out in src.parents:
+        raise ValueError(f"--out {out} overlaps the input directory {src}; choose a separate directory")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is an existing file, not a directory")
+
+
 def _read_config(path: Path) -> EncoderConfig:
     config_file = path / "config.json"
     if not config_file.is_file():

@@ -22,10 +22,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .checkpoint import BERT_FAMILY, CheckpointError, copy_weights, read_state_dict, save_pretrained
+from .argtypes import bounded
+from .checkpoint import BERT_FAMILY, CheckpointError, check_out_dir, copy_weights, read_state_dict, save_pretrained
 from .config import EncoderConfig
 from .encoder import POSITION_OFFSET
 from .encoder_model import EncoderModel
+from .hashes import MAX_HASHES
 from .tokenizer import SIDE_FILES, TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -148,6 +150,7 @@ def convert_bert_to_yoso(src_dir: str | Path, out_dir: str | Path, *, max_positi
         raise CheckpointError(
             f"cannot convert model_type {raw.get('model_type')!r} from {config_file}; supported: {BERT_FAMILY}"
         )
+    check_out_dir(src, out)  # before anything is written: an --out in the source would overwrite it
     config = yoso_config(raw, max_positions=max_positions, pooling=pooling or pooling_mode(pooling_config),
                          use_expectation=use_expectation, num_hash=num_hash, hash_code_len=hash_code_len,
                          hash_seed=hash_seed)
@@ -170,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="yoso-convert", description=__doc__.split("\n\n")[0])
     parser.add_argument("--from", dest="src", required=True, help="BERT-family checkpoint directory")
     parser.add_argument("--out", required=True, help="output directory for the YOSO checkpoint")
-    parser.add_argument("--max-positions", type=int, default=4096, help="position table size (default 4096)")
-    parser.add_argument("--num-hash", type=int, default=32, help="default LSH hashes per call (default 32)")
+    parser.add_argument("--max-positions", type=bounded(int, 1, 65536), default=4096, help="position table size (default 4096)")
+    parser.add_argument("--num-hash", type=bounded(int, 0, MAX_HASHES), default=32, help="default LSH hashes per call (default 32)")
     parser.add_argument("--hash-code-len", type=int, default=8, help="hash bits τ (default 8)")
     parser.add_argument("--use-expectation", action="store_true", help="default to exact YOSO-E")
     parser.add_argument("--pooling", choices=("mean", "cls"), default=None, help="override the pooling mode")
@@ -181,8 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         out = convert_bert_to_yoso(args.src, args.out, max_positions=args.max_positions,
                                    use_expectation=args.use_expectation, num_hash=args.num_hash,
                                    hash_code_len=args.hash_code_len, pooling=args.pooling)
-    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+    except ValueError as exc:  # CheckpointError included
         parser.exit(2, f"yoso-convert: error: {exc}\n")
+    except OSError as exc:  # a missing, unreadable or unwritable path
+        parser.exit(1, f"yoso-convert: error: {exc}\n")
     print(out)
     return 0
 

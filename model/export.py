@@ -31,13 +31,17 @@ from torch import nn
 from yoso_serve.kernels.finish import attention_finish_ref
 from yoso_serve.kernels.hashing import _projection, quantize_rows
 
-from .checkpoint import load_pretrained
+from .checkpoint import check_out_dir, load_pretrained
 from .encoder import YosoSelfAttention
 from .hashes import resolve_hashes
 from .encoder_model import EncoderModel
 
 ONNX_FILE = "model.onnx"
 DEFAULT_OPSET = 17  # ScatterND's add reduction needs ≥ 16; 17 adds LayerNormalization
+try:  # the TorchScript exporter (dynamo=False, used below) stops below torch.onnx's own maximum
+    from torch.onnx._constants import ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET as MAX_OPSET
+except ImportError:
+    MAX_OPSET = 20  # torch 2.13's value
 INPUT_NAMES = ("input_ids", "attention_mask")
 # Floats of one (batch·head) bucket table: hashes are cumulated in groups whose tables fit this.
 _TABLE_BUDGET = 1 << 20
@@ -207,12 +211,15 @@ def export_onnx(model: EncoderModel | str | Path, out_dir: str | Path, *, hashes
     float32 (in place, as ``nn.Module.to`` does). The config written has use_expectation/num_hash
     set so that its default_hashes is the exported count. Bad hashes/opset → ValueError.
     """
+    if opset < 16:
+        raise ValueError(f"opset must be >= 16 (ScatterND with add reduction), got {opset}")
+    if opset > MAX_OPSET:
+        raise ValueError(f"opset must be <= {MAX_OPSET} (the TorchScript exporter's maximum), got {opset}")
     if not isinstance(model, EncoderModel):
+        check_out_dir(model, out_dir)
         model = load_pretrained(model)
     check_exportable(model.config)
     hashes = resolve_hashes(model.config, hashes)
-    if opset < 16:
-        raise ValueError(f"opset must be >= 16 (ScatterND with add reduction), got {opset}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = model.to("cpu", torch.float32).eval()

@@ -23,6 +23,9 @@ from __future__ import annotations
 from typing import Literal, Union
 
 AUTO = "auto"
+# The largest hash count anything here accepts by default: the server's --max-hashes default, and the bound of
+# the training and conversion tools (more is never served, and a forward or an ONNX export of it takes hours).
+MAX_HASHES = 256
 
 # Inputs with fewer tokens (specials included) than this run exact YOSO-E under "auto". Measured by
 # bench/crossover.py on the bundled default model, CPU (docs/benchmarks.md#exact-vs-lsh-crossover).

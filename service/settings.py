@@ -14,7 +14,7 @@ from typing import Annotated, Literal, Union
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from yoso_serve.model.hashes import AUTO, AUTO_EXACT_BELOW, resolve_hashes
+from yoso_serve.model.hashes import AUTO, AUTO_EXACT_BELOW, MAX_HASHES, resolve_hashes
 
 # Defaults of --max-padding-tokens (see ServeSettings.padding_limit).
 CPU_PADDING_TOKENS = 64
@@ -46,7 +46,7 @@ class ServeSettings(BaseSettings):
     auto_exact_below: int = Field(AUTO_EXACT_BELOW, ge=0, description="Under hashes=auto, inputs with fewer "
                                   "tokens than this (specials included) run exact YOSO-E, which costs less "
                                   "than LSH there (measured: docs/benchmarks.md); 0 = never. Torch runtime only.")
-    max_hashes: int = Field(256, ge=0, description="Largest hash count a request may ask for.")
+    max_hashes: int = Field(MAX_HASHES, ge=0, description="Largest hash count a request may ask for.")
     max_batch_tokens: int = Field(16384, ge=1, description="Token budget of one batch, counted "
                                   "padded (batch size x longest input); also the most vectors one /embed_all "
                                   "(token states) or /embed_pieces (pieces) answer may hold.")

@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # configuration and data errors: one line, no traceback
         print(f"yoso-train {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a missing, unreadable or unwritable path: one line too
+        print(f"yoso-train {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     finally:
         shutdown_distributed()
 

@@ -11,9 +11,14 @@ from pathlib import Path
 
 import torch
 
+from yoso_serve.model.argtypes import bounded
+
 from .data import RowReport, iter_examples, tokenize
 from .runtime import Distributed, RunDir, enable_gradient_checkpointing, init_distributed, seed_everything
 from .trainer import TrainOptions
+
+
+MAX_SEED = 2**32 - 1  # numpy's seed range (seed_everything)
 
 
 def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, batch_size: int, epochs: int,
@@ -22,32 +27,32 @@ def add_common_arguments(p: argparse.ArgumentParser, *, lr: float, batch_size: i
     g.add_argument("--exact-backward", default="true", choices=("true", "bound"),
                    help="gradient of exact-mode (hashes=0) YOSO attention: the derivative of its forward "
                         "(true), or the paper's lower bound that LSH training uses (bound, as transformers)")
-    g.add_argument("--dropout", type=float, default=dropout,
+    g.add_argument("--dropout", type=bounded(float, 0, 1, hi_open=True), default=dropout,
                    help="dropout probability in training (default: the checkpoint's config"
                         + ("" if dropout is None else f"; this command: {dropout}") + ")")
     g = p.add_argument_group("run")
     g.add_argument("--out", required=True, type=Path, help="run directory (config.json, metrics.jsonl, checkpoints)")
     g.add_argument("--resume", action="store_true", help="continue the run in --out from checkpoints/last.pt")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=bounded(int, 0, MAX_SEED), default=0)
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (torchrun: one GPU per process)")
     g.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                    help="autocast dtype on CUDA (auto = bf16 where supported); CPU always trains in fp32")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=epochs)
-    g.add_argument("--max-steps", type=int, default=0, help="optimizer steps; 0 = --epochs decide")
+    g.add_argument("--max-steps", type=bounded(int, 0), default=0, help="optimizer steps; 0 = --epochs decide")
     g.add_argument("--batch-size", type=int, default=batch_size, help="per process, per micro-batch")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--lr", type=float, default=lr)
-    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--lr", type=bounded(float, 0, lo_open=True), default=lr)
+    g.add_argument("--weight-decay", type=bounded(float, 0), default=0.01)
     g.add_argument("--warmup", type=float, default=0.06, help="fraction of the steps with a linear warm-up")
     g.add_argument("--schedule", default="linear", choices=("linear", "constant"),
                    help="learning rate after warm-up: linear decay to 0, or constant")
-    g.add_argument("--max-grad-norm", type=float, default=1.0)
+    g.add_argument("--max-grad-norm", type=bounded(float, 0, lo_open=True), default=1.0)
     g.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each layer in backward (long sequences: memory for time)")
     g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--save-every", type=int, default=200, help="optimizer steps between checkpoints")
-    g.add_argument("--max-minutes", type=float, default=0.0,
+    g.add_argument("--max-minutes", type=bounded(float, 0), default=0.0,
                    help="stop cleanly (checkpoint saved) after this many minutes; 0 = no limit")
 
 

@@ -416,6 +416,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=0.0,
                    help="time limit of each distillation stage (0 = full schedule)")
     args = p.parse_args(argv)
+    try:
+        return _run_stages(args)
+    except ValueError as exc:  # a bad path or data: one line, as yoso-train says it
+        print(f"default_model {args.stage}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"default_model {args.stage}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run_stages(args: argparse.Namespace) -> int:
     from yoso_serve.model import TextTokenizer
     from yoso_serve.model.default import minilm_dir
 

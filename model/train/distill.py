@@ -20,6 +20,8 @@ from torch import nn
 
 from yoso_serve.model import EncoderModel, convert_bert_to_yoso, load_pretrained, save_pretrained
 from yoso_serve.model.encoder import YosoSelfAttention, layer_seed, yoso_conv
+from yoso_serve.model.argtypes import bounded
+from yoso_serve.model.hashes import MAX_HASHES
 
 from .common import Session, add_common_arguments, prepare_model, read_texts, start, train_options
 from .data import TokenizedDataset, pad_batch
@@ -35,15 +37,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=512, help="training texts are cut to this many tokens")
     p.add_argument("--train-hashes", default="32",
                    help="hash count(s) to train with, comma-separated; one is drawn per step (0 = exact)")
-    p.add_argument("--serve-hashes", type=int, default=32, help="num_hash written into the student's config")
+    p.add_argument("--serve-hashes", type=bounded(int, 0, MAX_HASHES), default=32, help="num_hash written into the student's config")
     p.add_argument("--fixed-hash-seed", action="store_true",
                    help="train with the served hash projections only (default: a fresh draw each step)")
-    p.add_argument("--window", type=int, default=0, help="teacher window in tokens (0 = its max positions)")
-    p.add_argument("--stride", type=int, default=0, help="teacher window stride (0 = half a window)")
-    p.add_argument("--w-cos", type=float, default=1.0, help="weight of 1 - cos(pooled)")
-    p.add_argument("--w-mse", type=float, default=1.0, help="weight of MSE(pooled)")
-    p.add_argument("--w-hidden", type=float, default=1.0, help="weight of MSE(last hidden, real tokens)")
-    p.add_argument("--w-layers", type=float, default=0.0,
+    p.add_argument("--window", type=bounded(int, 0), default=0, help="teacher window in tokens (0 = its max positions)")
+    p.add_argument("--stride", type=bounded(int, 0), default=0, help="teacher window stride (0 = half a window)")
+    p.add_argument("--w-cos", type=bounded(float, 0), default=1.0, help="weight of 1 - cos(pooled)")
+    p.add_argument("--w-mse", type=bounded(float, 0), default=1.0, help="weight of MSE(pooled)")
+    p.add_argument("--w-hidden", type=bounded(float, 0), default=1.0, help="weight of MSE(last hidden, real tokens)")
+    p.add_argument("--w-layers", type=bounded(float, 0), default=0.0,
                    help="weight of MSE(hidden states after each earlier layer, real tokens), averaged over "
                         "those layers; needs as many student as teacher layers, and only rows the teacher "
                         "reads in one window enter it")
@@ -61,13 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p, lr=5e-5, batch_size=16, epochs=1, dropout=0.0)
 
 
-def parse_hashes(text: str) -> list[int]:
+def parse_hashes(text: str, option: str = "--train-hashes") -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--train-hashes must be comma-separated ints, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise ValueError(f"--train-hashes must be ints >= 0, got {text!r}")
+        raise ValueError(f"{option} must be comma-separated ints, got {text!r}") from None
+    if not values or any(v < 0 or v > MAX_HASHES for v in values):
+        raise ValueError(f"{option} must be ints in [0, {MAX_HASHES}], got {text!r}")
     return values
 
 

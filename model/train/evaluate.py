@@ -28,9 +28,10 @@ from tqdm.auto import tqdm
 
 from yoso_serve.model import EncoderModel, load_pretrained
 from yoso_serve.model.encoder import DENSE_DTYPES, set_dense_dtype
+from yoso_serve.model.argtypes import bounded
 
 from . import retrieval
-from .common import read_texts, start
+from .common import MAX_SEED, read_texts, start
 from .data import label_targets, pad_batch
 from .distill import parse_hashes
 from .metrics import multi_label_metrics, pairwise_upper, single_label_metrics, spearman
@@ -69,11 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-dtype", choices=DENSE_DTYPES, default="fp32",
                    help="the student's CPU inference GEMMs (the server's --dense-dtype); the teacher stays fp32")
     p.add_argument("--max-length", type=int, default=256)
-    p.add_argument("--max-texts", type=int, default=0, help="score at most this many --data / --labelled texts")
-    p.add_argument("--max-long-docs", type=int, default=0, help="score at most this many --long-data documents")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-texts", type=bounded(int, 0), default=0, help="score at most this many --data / --labelled texts")
+    p.add_argument("--max-long-docs", type=bounded(int, 0), default=0, help="score at most this many --long-data documents")
+    p.add_argument("--batch-size", type=bounded(int, 1), default=32)
     p.add_argument("--out", required=True, type=Path, help="run directory for results.json and metrics.jsonl")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=bounded(int, 0, MAX_SEED), default=0)
     p.add_argument("--device", default="auto")
 
 
@@ -179,7 +180,7 @@ def retrieval_results(args: argparse.Namespace, model: EncoderModel, teacher: Be
     segment = args.window if args.segment is None else args.segment
     if segment < 0:
         raise ValueError(f"--segment must be >= 0 (0 = no multi-vector rows), got {segment}")
-    rows = read_documents(args.retrieval_data)
+    rows = read_documents(args.retrieval_data, "--retrieval-data")
     docs, queries = retrieval.deep_pairs(rows, lo=lo, hi=hi, max_docs=args.retrieval_docs, seed=args.seed,
                                          draws=args.query_draws, unit=args.query_unit, skip=args.retrieval_skip)
     if len(docs) < 2:
@@ -214,13 +215,13 @@ def run(args: argparse.Namespace) -> int:
     cap = args.max_texts or None
     if args.data:
         _, ids = read_texts(session, args.data, model.tokenizer, max_length=args.max_length, name="data")
-        results["agreement"] = agreement(model, teacher, ids[:cap], parse_hashes(args.hashes),
+        results["agreement"] = agreement(model, teacher, ids[:cap], parse_hashes(args.hashes, "--hashes"),
                                          batch_size=args.batch_size, device=session.device)
     if args.long_data:
         _, ids = read_texts(session, args.long_data, model.tokenizer, max_length=model.config.max_length,
                             name="long_data")
         results["long_agreement"] = long_agreement(model, teacher, ids[:args.max_long_docs or None],
-                                                   parse_hashes(args.long_hashes),
+                                                   parse_hashes(args.long_hashes, "--long-hashes"),
                                                    device=session.device)
     if args.labelled:
         examples, ids = read_texts(session, args.labelled, model.tokenizer, max_length=args.max_length,

@@ -11,7 +11,10 @@ import json
 import sys
 from pathlib import Path
 
-from ..export import DEFAULT_OPSET, ONNX_FILE, export_onnx
+from yoso_serve.model.argtypes import bounded
+from yoso_serve.model.hashes import MAX_HASHES
+
+from ..export import DEFAULT_OPSET, MAX_OPSET, ONNX_FILE, export_onnx
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,12 +25,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--hashes", type=int, default=None,
                       help="hash count fixed in the graph (default: the model's default_hashes)")
     mode.add_argument("--exact", action="store_true", help="export exact YOSO-E (same as --hashes 0)")
-    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (>= 16, default {DEFAULT_OPSET})")
+    parser.add_argument("--opset", type=bounded(int, 16, MAX_OPSET), default=DEFAULT_OPSET,
+                        help=f"ONNX opset (16 to {MAX_OPSET}, default {DEFAULT_OPSET})")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``export-onnx`` command; a bad checkpoint or flag exits 2 with its message."""
     try:
+        if args.hashes is not None and args.hashes > MAX_HASHES:  # the graph would unroll them all: hours
+            raise ValueError(f"--hashes must be <= {MAX_HASHES}, got {args.hashes}")
         out = export_onnx(args.model, args.out, hashes=0 if args.exact else args.hashes, opset=args.opset)
     except ValueError as exc:  # CheckpointError included
         print(f"export-onnx: error: {exc}", file=sys.stderr)

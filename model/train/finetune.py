@@ -22,6 +22,8 @@ from torch import nn
 
 from yoso_serve.model import EncoderConfig, EncoderModel, TextTokenizer, load_pretrained, save_pretrained
 from yoso_serve.model.heads import ClassificationHead
+from yoso_serve.model.argtypes import bounded
+from yoso_serve.model.hashes import MAX_HASHES
 
 from .common import add_common_arguments, prepare_model, read_texts, start, train_options
 from .data import TokenizedDataset, label_targets, pad_batch, split_train_val
@@ -42,9 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multi-label", action="store_true", help="force multi-label (automatic when a row has "
                    "several labels)")
     p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--hashes", type=int, default=None, help="hash count in training (default: the model's; "
+    p.add_argument("--hashes", type=bounded(int, 0, MAX_HASHES), default=None, help="hash count in training (default: the model's; "
                    "0 = exact, whose gradient is the true one with --exact-backward true)")
-    p.add_argument("--eval-hashes", type=int, default=None,
+    p.add_argument("--eval-hashes", type=bounded(int, 0, MAX_HASHES), default=None,
                    help="hash count for validation and test scoring (default: --hashes)")
     p.add_argument("--metric", choices=METRICS, default="f1", help="validation metric that picks best/")
     add_common_arguments(p, lr=3e-5, batch_size=16, epochs=3)
@@ -128,6 +130,15 @@ def run(args: argparse.Namespace) -> int:
     labels = sorted({x for ex in examples for x in ex.labels})
     label2id = {x: i for i, x in enumerate(labels)}
     val_keep = [i for i, ex in enumerate(val_ex) if all(x in label2id for x in ex.labels)]
+    if not val_keep:  # scoring nothing fails only after training
+        raise ValueError(f"{'--val-data' if args.val_data else '--val-fraction'}: no validation row has only labels "
+                         f"seen in training ({labels})")
+    if args.test_data:
+        test_ex, test_ids = read_texts(session, args.test_data, tok, max_length=args.max_length, name="test",
+                                       need_labels=True)
+        test_keep = [i for i, ex in enumerate(test_ex) if all(x in label2id for x in ex.labels)]
+        if not test_keep:
+            raise ValueError(f"--test-data: no row has only labels seen in training ({labels})")
     val_targets = label_targets([val_ex[i] for i in val_keep], label2id, multi_label=multi)
     val_ids = [val_ids[i] for i in val_keep]
     clf, model, tok = build(args, labels, multi, session.device)
@@ -166,9 +177,7 @@ def run(args: argparse.Namespace) -> int:
         result = {"best": trainer.extra.get("best"), "labels": labels, "multi_label": multi}
         if args.test_data and trainer.extra.get("best_state") is not None:
             clf.load_state_dict(trainer.extra["best_state"])
-            test_ex, test_ids = read_texts(session, args.test_data, tok, max_length=args.max_length, name="test",
-                                           need_labels=True)
-            keep = [i for i, ex in enumerate(test_ex) if all(x in label2id for x in ex.labels)]
+            keep = test_keep
             targets = label_targets([test_ex[i] for i in keep], label2id, multi_label=multi)
             result["test"] = score(clf, [test_ids[i] for i in keep], targets, **evaluate)
             result["test"]["examples"] = len(keep)

@@ -35,6 +35,7 @@ from torch.utils.data import Dataset
 
 from yoso_serve.model import EncoderModel, load_pretrained
 from yoso_serve.model.pieces import piece_means
+from yoso_serve.model.argtypes import bounded
 
 from .common import add_common_arguments, prepare_model, start, train_options
 from .distill import fit_student, parse_hashes, set_hash_seeds
@@ -60,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-hashes", default="0", help="hash counts of spans and short texts, one drawn per step")
     p.add_argument("--fresh-hashes", action="store_true",
                    help="draw new hash projections each step (default: the served projections)")
-    p.add_argument("--temperature", type=float, default=0.05, help="initial InfoNCE temperature (learned)")
+    p.add_argument("--temperature", type=bounded(float, 0, lo_open=True), default=0.05, help="initial InfoNCE temperature (learned)")
     p.add_argument("--temperature-lr-scale", type=float, default=1.0,
                    help="learning rate of the temperature as a multiple of --lr (at the model's lr of ~2e-5 "
                         "AdamW moves its log by ~lr per step, so it stays where it starts)")
@@ -72,9 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "same source by the teacher's embedding of their first --mine-tokens tokens (mined once at "
                         "the start); 0 (default) draws them as --neighbourhood says")
     p.add_argument("--mine-tokens", type=int, default=256, help="tokens of each document's opening that are mined")
-    p.add_argument("--w-short", type=float, default=1.0, help="weight of the short-pair InfoNCE")
-    p.add_argument("--w-distill", type=float, default=1.0, help="weight of 1 − cos(student, teacher) on short texts")
-    p.add_argument("--w-segment", type=float, default=0.0,
+    p.add_argument("--w-short", type=bounded(float, 0), default=1.0, help="weight of the short-pair InfoNCE")
+    p.add_argument("--w-distill", type=bounded(float, 0), default=1.0, help="weight of 1 − cos(student, teacher) on short texts")
+    p.add_argument("--w-segment", type=bounded(float, 0), default=0.0,
                    help="weight of span → segment InfoNCE: each span against the mean token states of the "
                         "batch's --segment-tokens pieces, its positives the pieces of its own block (0 = off)")
     p.add_argument("--segment-tokens", default="128",
@@ -317,19 +318,28 @@ class LongDocLoss(nn.Module):
         self.queue_keys.copy_(torch.cat([keys[:n], self.queue_keys[:-n]]))
 
 
-def read_documents(paths: list[Path]) -> list[dict]:
+def is_document(row) -> bool:
+    """A row of longdocs.py's JSONL: checked up front, as a bad row would otherwise fail mid-training."""
+    blocks = row.get("blocks") if isinstance(row, dict) else None
+    tokens = row.get("tokens", 0) if isinstance(row, dict) else None
+    return (isinstance(blocks, list) and bool(blocks) and all(isinstance(b, str) for b in blocks)
+            and isinstance(row.get("doc"), str) and isinstance(row.get("source"), str)
+            and isinstance(tokens, int) and not isinstance(tokens, bool))
+
+
+def read_documents(paths: list[Path], option: str = "--data") -> list[dict]:
     rows = []
     for path in paths:
         if not path.is_file():
-            raise ValueError(f"--data: {path} not found")
+            raise ValueError(f"{option}: {path} not found")
         for n, line in enumerate(path.open(encoding="utf-8"), 1):
             try:
                 row = json.loads(line)
-                ok = isinstance(row.get("blocks"), list) and row["blocks"] and isinstance(row.get("source"), str)
-            except (json.JSONDecodeError, AttributeError):
-                ok = False
-            if not ok:
-                raise ValueError(f"--data: {path}:{n}: not a document row {{doc, source, blocks: [...]}}")
+            except json.JSONDecodeError:
+                row = None
+            if not is_document(row):
+                raise ValueError(f"{option}: {path}:{n}: not a document row "
+                                 f"{{doc: str, source: str, blocks: [str, ...], tokens: int}}")
             rows.append(row)
     return rows
 
@@ -358,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.temperature_lr_scale > 0:
         raise ValueError(f"--temperature-lr-scale must be > 0, got {args.temperature_lr_scale}")
     stages = parse_curriculum(args.curriculum)
-    doc_hashes, query_hashes = parse_hashes(args.doc_hashes), parse_hashes(args.query_hashes)
+    doc_hashes, query_hashes = parse_hashes(args.doc_hashes, "--doc-hashes"), parse_hashes(args.query_hashes, "--query-hashes")
     session = start(args, "longdoc")
     student = load_pretrained(args.model, device=session.device)
     if student.tokenizer is None:

@@ -9,6 +9,7 @@ validation loss (fixed masks, so epochs compare) is reported every epoch.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from yoso_serve.model import EncoderConfig, EncoderModel, TextTokenizer, load_pretrained, save_pretrained
+from yoso_serve.model.argtypes import bounded
+from yoso_serve.model.hashes import MAX_HASHES
 
 from .common import add_common_arguments, prepare_model, read_texts, start, train_options
 from .data import TokenizedDataset, pad_batch
@@ -30,8 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", required=True, type=Path, nargs="+", help="text / JSONL / CSV files")
     p.add_argument("--val-data", type=Path, nargs="*", default=[])
     p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--mask-prob", type=float, default=0.15)
-    p.add_argument("--hashes", type=int, default=None, help="hash count in training (default: the model's)")
+    p.add_argument("--mask-prob", type=bounded(float, 0, 1, lo_open=True), default=0.15)
+    p.add_argument("--hashes", type=bounded(int, 0, MAX_HASHES), default=None, help="hash count in training (default: the model's)")
     add_common_arguments(p, lr=1e-4, batch_size=16, epochs=1)
 
 
@@ -65,17 +68,33 @@ class MaskedLM(nn.Module):
 
 
 def build_model(args: argparse.Namespace) -> EncoderModel:
+    """The model to train; its tokenizer and vocabulary are checked here, as they fail only mid-training."""
     if args.model:
         base = load_pretrained(args.model)
+        if base.tokenizer is None:
+            raise ValueError(f"--model: no tokenizer in {args.model} (tokenizer.json or vocab.txt)")
         if base.has_mlm_head:
-            return base
-        model = EncoderModel(base.config, with_mlm=True, tokenizer=base.tokenizer)
-        model.yoso.load_state_dict(base.yoso.state_dict())
-        return model
-    if args.tokenizer is None:
-        raise ValueError("--config needs --tokenizer (a directory with tokenizer.json or vocab.txt)")
-    return EncoderModel(EncoderConfig.from_json_file(args.config), with_mlm=True,
-                        tokenizer=TextTokenizer.from_dir(args.tokenizer))
+            model = base
+        else:
+            model = EncoderModel(base.config, with_mlm=True, tokenizer=base.tokenizer)
+            model.yoso.load_state_dict(base.yoso.state_dict())
+    else:
+        if args.tokenizer is None:
+            raise ValueError("--config needs --tokenizer (a directory with tokenizer.json or vocab.txt)")
+        if not args.config.is_file():
+            raise ValueError(f"--config: {args.config} is not a file")
+        try:
+            data = json.loads(args.config.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--config: {args.config} is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--config: {args.config} must hold a JSON object, not {type(data).__name__}")
+        model = EncoderModel(EncoderConfig.from_dict(data), with_mlm=True,
+                             tokenizer=TextTokenizer.from_dir(args.tokenizer))
+    if model.tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"vocab_size {model.config.vocab_size} of the model is below the tokenizer's "
+                         f"{model.tokenizer.vocab_size}")
+    return model
 
 
 def run(args: argparse.Namespace) -> int:

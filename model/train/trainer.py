@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import pickle
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -123,14 +124,20 @@ class Trainer:
             self.on_save()
 
     def resume(self) -> None:
-        state = self.run.load_state(self.device)
-        if state["world_size"] != self.dist.world_size:
-            raise ValueError(f"--resume: checkpoint was written by {state['world_size']} processes, "
+        try:  # a corrupt file, or one of another command or model shape, is a bad --resume, not a crash
+            state = self.run.load_state(self.device)
+            world_size = state["world_size"]
+            if world_size == self.dist.world_size:
+                self.module.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
+                self.scheduler.load_state_dict(state["scheduler"])
+                self.scaler.load_state_dict(state["scaler"])
+        except (pickle.UnpicklingError, EOFError, RuntimeError, KeyError, TypeError, IndexError) as exc:
+            reason = " ".join(str(exc).split())[:300]
+            raise ValueError(f"--resume: {self.run.checkpoint_path} cannot be loaded: {reason}") from None
+        if world_size != self.dist.world_size:
+            raise ValueError(f"--resume: checkpoint was written by {world_size} processes, "
                              f"this run has {self.dist.world_size}; the data order would differ")
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.extra = state["extra"]
         self._saved_step = self.step

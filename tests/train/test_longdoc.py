@@ -489,8 +489,9 @@ def test_longdoc_refuses_bad_configuration(tiny_bert, tiny_yoso, docs_file, tmp_
     assert "--neighbourhood must be 0 or >= --batch-size (4), got 3" in capsys.readouterr().err
     assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "d", "--temperature-lr-scale", "0")) == 2
     assert "--temperature-lr-scale must be > 0" in capsys.readouterr().err
-    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "e", "--w-segment", "-1")) == 2
-    assert "--w-segment must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # refused at parse time
+        main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "e", "--w-segment", "-1"))
+    assert "argument --w-segment: must be finite and >= 0" in capsys.readouterr().err
     assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "f", "--w-segment", "1",
                              "--segment-tokens", "64,x")) == 2
     assert "--segment-tokens must be piece sizes >= 1" in capsys.readouterr().err
