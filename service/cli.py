@@ -73,12 +73,13 @@ def prepare(settings: ServeSettings) -> int:
     """``--prepare``: load (exporting into the cache if needed), print what would serve, 0 or 1."""
     import torch
 
-    from .loading import load_served_model
+    from .loading import check_model_limits, load_served_model
 
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
     try:
         loaded = load_served_model(settings)
+        check_model_limits(settings, loaded.model)  # what a start would refuse, --prepare refuses
     except Exception as exc:  # a bad checkpoint, a hybrid export that cannot be written: a start would exit 1 too
         print(f"yoso-serve --prepare: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

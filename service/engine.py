@@ -24,7 +24,7 @@ from .admission import SPEED_PROBE, request_budget
 from .errors import ClientGone, InvalidInput, NotReady
 from .metrics import ServiceMetrics
 from .params import ClassifyParams, EmbedParams, HiddenParams, Output, PiecesParams, Usage
-from .loading import LoadedModel, ServedModel
+from .loading import LoadedModel, ServedModel, check_model_limits
 from .scheduler import BatchScheduler, OutputKind, WorkItem
 from .settings import ServeSettings
 from .zero_shot import DEFAULT_SCORE_CENTER, ranked, softmax, zero_shot_classify
@@ -174,19 +174,7 @@ class Engine:
             loaded = LoadedModel(loaded, loaded.runtime, "the model the loader returned")
         model = loaded.model
         cfg = model.config
-        if model.tokenizer is None:
-            raise ValueError("the model directory has no tokenizer (tokenizer.json or vocab.txt)")
-        if s.max_input_length is not None and s.max_input_length > cfg.max_position_embeddings:
-            raise ValueError(f"--max-input-length {s.max_input_length} is above the model's "
-                             f"max_position_embeddings {cfg.max_position_embeddings}; lower it")
-        self.max_length = min(s.max_input_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        if self.max_length > s.max_batch_tokens:
-            raise ValueError(f"--max-batch-tokens {s.max_batch_tokens} is below the input limit "
-                             f"{self.max_length}; raise it or lower --max-input-length")
-        self.window = self.max_length - model.tokenizer.num_special_tokens
-        if s.chunk_overlap >= self.window:
-            raise ValueError(f"--chunk-overlap {s.chunk_overlap} must be below the window of "
-                             f"{self.window} tokens; lower it")
+        self.max_length, self.window = check_model_limits(s, model)
         self.fixed_hashes = model.fixed_hashes
         self.default_hashes = resolve_hashes(cfg, s.hashes, source="setting", max_hashes=s.max_hashes,
                                              fixed=self.fixed_hashes, n_tokens=self.max_length)

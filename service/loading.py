@@ -135,6 +135,26 @@ def check_hybrid_serving(hashes: int | str | None = None) -> None:
                          "(O(N²) memory) and is not served; use --runtime torch, or set --hashes to an LSH count")
 
 
+def check_model_limits(settings: ServeSettings, model: ServedModel) -> tuple[int, int]:
+    """The limits that need the model, checked the same way by a start and by ``--prepare``: (tokens per
+    input, specials included; content tokens per chunked window). A conflict is a ValueError naming the flag."""
+    s, cfg = settings, model.config
+    if model.tokenizer is None:
+        raise ValueError("the model directory has no tokenizer (tokenizer.json or vocab.txt)")
+    if s.max_input_length is not None and s.max_input_length > cfg.max_position_embeddings:
+        raise ValueError(f"--max-input-length {s.max_input_length} is above the model's "
+                         f"max_position_embeddings {cfg.max_position_embeddings}; lower it")
+    max_length = min(s.max_input_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    if max_length > s.max_batch_tokens:
+        raise ValueError(f"--max-batch-tokens {s.max_batch_tokens} is below the input limit "
+                         f"{max_length}; raise it or lower --max-input-length")
+    window = max_length - model.tokenizer.num_special_tokens
+    if s.chunk_overlap >= window:
+        raise ValueError(f"--chunk-overlap {s.chunk_overlap} must be below the window of "
+                         f"{window} tokens; lower it")
+    return max_length, window
+
+
 def load_served_model(settings: ServeSettings) -> LoadedModel:
     """Load ``settings.model`` (or the bundled default) for the runtime ``settings.runtime`` resolves to.
 

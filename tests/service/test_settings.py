@@ -128,3 +128,17 @@ def test_padding_limit_defaults_by_device_and_obeys_the_flag():
     assert ServeSettings(max_padding_tokens=0).padding_limit("cuda") == 0
     with pytest.raises(ValidationError, match="max_padding_tokens"):
         ServeSettings(max_padding_tokens=-1)
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--max-input-length", "100"], "--max-input-length 100 is above the model's max_position_embeddings 64"),
+    (["--chunk-overlap", "100"], "--chunk-overlap 100 must be below the window of 62 tokens"),
+])
+def test_prepare_refuses_what_a_start_would_refuse(tiny_dir, capsys, flags, words):
+    """--prepare loads the model and checks the limits that need it, as a start does: exit 1, one line."""
+    from yoso_serve.service.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--prepare", "--model", str(tiny_dir), "--runtime", "torch", "--log-level", "warning", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and words in err and "Traceback" not in err, err
