@@ -173,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="yoso-convert", description=__doc__.split("\n\n")[0])
     parser.add_argument("--from", dest="src", required=True, help="BERT-family checkpoint directory")
     parser.add_argument("--out", required=True, help="output directory for the YOSO checkpoint")
-    parser.add_argument("--max-positions", type=bounded(int, 1, 65536), default=4096, help="position table size (default 4096)")
-    parser.add_argument("--num-hash", type=bounded(int, 0, MAX_HASHES), default=32, help="default LSH hashes per call (default 32)")
+    parser.add_argument("--max-positions", type=bounded(int, 1, 65536), default=4096,
+                        help="position table size (default 4096)")
+    parser.add_argument("--num-hash", type=bounded(int, 0, MAX_HASHES), default=32,
+                        help="default LSH hashes per call (default 32)")
     parser.add_argument("--hash-code-len", type=int, default=8, help="hash bits τ (default 8)")
     parser.add_argument("--use-expectation", action="store_true", help="default to exact YOSO-E")
     parser.add_argument("--pooling", choices=("mean", "cls"), default=None, help="override the pooling mode")

@@ -234,7 +234,8 @@ class Engine:
         """Pooled embeddings (n, d) float32, normalised if asked, chunked long inputs combined."""
         hashes = self.check(p, warmup=warmup)
         t0 = time.monotonic()
-        pieces, _ = await self._tokenize(p.texts, p.truncation_direction, p.long_input, chunk_hint=p.chunk_hint)
+        pieces, _ = await self._tokenize(p.texts, p.truncation_direction, p.long_input,
+                                         chunk_hint=p.chunk_hint)
         usage = Usage(tokenize_ms=1000 * (time.monotonic() - t0))
         flat = [(i, ids, w) for i, windows in enumerate(pieces) for ids, w in windows]
         rows = await self._run([ids for _, ids, _ in flat], hashes, OutputKind.EMBED, p.pooling, usage, watch, [i for i, *_ in flat])
@@ -296,7 +297,8 @@ class Engine:
                                         max_labels=self.settings.max_client_batch_size, center=self.score_center)
 
     async def _run_whole_inputs(self, p, hashes: int | str, kind: OutputKind, watch: Watch | None, *,
-                                offsets: bool = False, vector_tokens: int | None = None) -> tuple[list, Usage, list | None]:
+                                offsets: bool = False, vector_tokens: int | None = None,
+                                ) -> tuple[list, Usage, list | None]:
         """Tokenise p.texts (one window each: no chunking) and run them; (rows, usage, each text's character
         offsets per token when ``offsets``, else None).
 

@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-length", type=int, default=512, help="training texts are cut to this many tokens")
     p.add_argument("--train-hashes", default="32",
                    help="hash count(s) to train with, comma-separated; one is drawn per step (0 = exact)")
-    p.add_argument("--serve-hashes", type=bounded(int, 0, MAX_HASHES), default=32, help="num_hash written into the student's config")
+    p.add_argument("--serve-hashes", type=bounded(int, 0, MAX_HASHES), default=32,
+                   help="num_hash written into the student's config")
     p.add_argument("--fixed-hash-seed", action="store_true",
                    help="train with the served hash projections only (default: a fresh draw each step)")
     p.add_argument("--window", type=bounded(int, 0), default=0, help="teacher window in tokens (0 = its max positions)")

@@ -70,8 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-dtype", choices=DENSE_DTYPES, default="fp32",
                    help="the student's CPU inference GEMMs (the server's --dense-dtype); the teacher stays fp32")
     p.add_argument("--max-length", type=int, default=256)
-    p.add_argument("--max-texts", type=bounded(int, 0), default=0, help="score at most this many --data / --labelled texts")
-    p.add_argument("--max-long-docs", type=bounded(int, 0), default=0, help="score at most this many --long-data documents")
+    p.add_argument("--max-texts", type=bounded(int, 0), default=0,
+                   help="score at most this many --data / --labelled texts")
+    p.add_argument("--max-long-docs", type=bounded(int, 0), default=0,
+                   help="score at most this many --long-data documents")
     p.add_argument("--batch-size", type=bounded(int, 1), default=32)
     p.add_argument("--out", required=True, type=Path, help="run directory for results.json and metrics.jsonl")
     p.add_argument("--seed", type=bounded(int, 0, MAX_SEED), default=0)

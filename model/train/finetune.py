@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multi-label", action="store_true", help="force multi-label (automatic when a row has "
                    "several labels)")
     p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--hashes", type=bounded(int, 0, MAX_HASHES), default=None, help="hash count in training (default: the model's; "
+    p.add_argument("--hashes", type=bounded(int, 0, MAX_HASHES), default=None,
+                   help="hash count in training (default: the model's; "
                    "0 = exact, whose gradient is the true one with --exact-backward true)")
     p.add_argument("--eval-hashes", type=bounded(int, 0, MAX_HASHES), default=None,
                    help="hash count for validation and test scoring (default: --hashes)")

@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-hashes", default="0", help="hash counts of spans and short texts, one drawn per step")
     p.add_argument("--fresh-hashes", action="store_true",
                    help="draw new hash projections each step (default: the served projections)")
-    p.add_argument("--temperature", type=bounded(float, 0, lo_open=True), default=0.05, help="initial InfoNCE temperature (learned)")
+    p.add_argument("--temperature", type=bounded(float, 0, lo_open=True), default=0.05,
+                   help="initial InfoNCE temperature (learned)")
     p.add_argument("--temperature-lr-scale", type=float, default=1.0,
                    help="learning rate of the temperature as a multiple of --lr (at the model's lr of ~2e-5 "
                         "AdamW moves its log by ~lr per step, so it stays where it starts)")
@@ -74,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the start); 0 (default) draws them as --neighbourhood says")
     p.add_argument("--mine-tokens", type=int, default=256, help="tokens of each document's opening that are mined")
     p.add_argument("--w-short", type=bounded(float, 0), default=1.0, help="weight of the short-pair InfoNCE")
-    p.add_argument("--w-distill", type=bounded(float, 0), default=1.0, help="weight of 1 − cos(student, teacher) on short texts")
+    p.add_argument("--w-distill", type=bounded(float, 0), default=1.0,
+                   help="weight of 1 − cos(student, teacher) on short texts")
     p.add_argument("--w-segment", type=bounded(float, 0), default=0.0,
                    help="weight of span → segment InfoNCE: each span against the mean token states of the "
                         "batch's --segment-tokens pieces, its positives the pieces of its own block (0 = off)")
@@ -368,7 +370,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.temperature_lr_scale > 0:
         raise ValueError(f"--temperature-lr-scale must be > 0, got {args.temperature_lr_scale}")
     stages = parse_curriculum(args.curriculum)
-    doc_hashes, query_hashes = parse_hashes(args.doc_hashes, "--doc-hashes"), parse_hashes(args.query_hashes, "--query-hashes")
+    doc_hashes = parse_hashes(args.doc_hashes, "--doc-hashes")
+    query_hashes = parse_hashes(args.query_hashes, "--query-hashes")
     session = start(args, "longdoc")
     student = load_pretrained(args.model, device=session.device)
     if student.tokenizer is None:

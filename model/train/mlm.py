@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-data", type=Path, nargs="*", default=[])
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--mask-prob", type=bounded(float, 0, 1, lo_open=True), default=0.15)
-    p.add_argument("--hashes", type=bounded(int, 0, MAX_HASHES), default=None, help="hash count in training (default: the model's)")
+    p.add_argument("--hashes", type=bounded(int, 0, MAX_HASHES), default=None,
+                   help="hash count in training (default: the model's)")
     add_common_arguments(p, lr=1e-4, batch_size=16, epochs=1)
 
 
