@@ -129,6 +129,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         if bad_json is not None:
             detail = (bad_json.get("ctx") or {}).get("error", "invalid JSON")
             return _error(MalformedRequest(f"malformed JSON body: {detail}", param="body"))
+        if errors[0].get("type") == "missing" and tuple(errors[0].get("loc", ())) == ("body",):
+            return _error(MalformedRequest("the request body is empty; send a JSON object", param="body"))
         loc = _client_path(errors[0])
         # a field that takes one of several forms fails once per form: say them together
         alike = [e for e in errors if _client_path(e) == loc]
@@ -172,15 +174,14 @@ def _add_routes(app: FastAPI, engine: Engine, metrics: ServiceMetrics) -> None:
     @app.post("/embed_all", response_model=list[list[list[float]]], responses=_ERRORS)
     async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
         out = await engine.embed_all(body.to_params(), _watch(request))
-        return await json_response_off_loop(lambda: [states.tolist() for states in out.value], out.usage)
+        return await json_response_off_loop(lambda: out.value, out.usage)  # arrays: encoded row by row
 
     @app.post("/embed_pieces", response_model=list[PiecedEmbedding], responses=_ERRORS)
     async def embed_pieces(body: EmbedPiecesRequest, request: Request) -> Response:
         out = await engine.embed_pieces(body.to_params(), _watch(request))
         return await json_response_off_loop(lambda: [
-            {"embedding": vector.tolist(),
-             "pieces": [{"embedding": e, "tokens": list(t), "chars": list(c)}
-                        for e, t, c in zip(pieces.tolist(), tokens, chars)]}
+            {"embedding": vector,
+             "pieces": [{"embedding": e, "tokens": list(t), "chars": list(c)} for e, t, c in zip(pieces, tokens, chars)]}
             for vector, pieces, tokens, chars in out.value], out.usage)
 
     @app.post("/classify", response_model=list[list[ScoredLabel]], responses=_ERRORS)

@@ -230,6 +230,15 @@ class Engine:
                                f"model's hidden size), got {p.dimensions}", param="dimensions")
         return hashes
 
+    async def check_all(self, p: EmbedParams | PiecesParams) -> None:
+        """:meth:`check`, and with long_input 'error' the inputs' token counts too (a tokenisation that is
+        thrown away): for a route that runs another call first and must not have run it for nothing."""
+        self.check(p)
+        if p.long_input == "error":
+            await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, self._split, p.texts, p.truncation_direction, p.long_input, False,
+                getattr(p, "chunk_hint", False))
+
     async def embed(self, p: EmbedParams, watch: Watch | None = None, *, warmup: bool = False) -> Output:
         """Pooled embeddings (n, d) float32, normalised if asked, chunked long inputs combined."""
         hashes = self.check(p, warmup=warmup)

@@ -8,6 +8,7 @@ import json
 from contextlib import contextmanager
 from typing import Callable
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -35,11 +36,56 @@ def json_response(payload, usage: Usage | None = None, status: int = 200) -> Res
                     media_type="application/json", headers=timing_headers(usage) if usage else None)
 
 
+# Rows (of an array) or items (of a plain list) per json.dumps call in :func:`encode_json`.
+JSON_CHUNK = 256
+
+
+def encode_json(value) -> str:
+    """Compact JSON of ``value`` (nested lists, dicts and numpy arrays; floats as Python writes them), made by
+    many small ``json.dumps`` calls rather than one. One call on a large answer holds the GIL from start to end,
+    so a worker thread doing it stalls the event loop just the same (3 s for 130 MB of token states); between
+    small calls the loop gets its turn."""
+    out: list[str] = []
+    _encode(value, out)
+    return "".join(out)
+
+
+def _encode(value, out: list[str]) -> None:
+    dump = json.dumps
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        out.append(dump(value.tolist(), separators=(",", ":")))
+    elif isinstance(value, np.ndarray) or (isinstance(value, list) and value and _nested(value[0])):
+        out.append("[")
+        for i, item in enumerate(value):  # rows of an array, or items that hold arrays or lists
+            if i:
+                out.append(",")
+            _encode(item, out)
+        out.append("]")
+    elif isinstance(value, list):  # plain items (numbers, strings, flat dicts): a chunk per call
+        parts = [dump(value[i:i + JSON_CHUNK], separators=(",", ":"))[1:-1] for i in range(0, len(value), JSON_CHUNK)]
+        out.append("[" + ",".join(parts) + "]")
+    elif isinstance(value, dict):
+        out.append("{")
+        for i, (key, item) in enumerate(value.items()):
+            out.append(("," if i else "") + dump(key) + ":")
+            _encode(item, out)
+        out.append("}")
+    else:
+        out.append(dump(value.item() if isinstance(value, np.generic) else value, separators=(",", ":")))
+
+
+def _nested(item) -> bool:
+    """Whether a list's items are worth encoding one by one: arrays, lists, or dicts holding either."""
+    if isinstance(item, (np.ndarray, list)):
+        return True
+    return isinstance(item, dict) and any(isinstance(v, (np.ndarray, list)) and len(v) > 16 for v in item.values())
+
+
 async def json_response_off_loop(build: Callable[[], object], usage: Usage | None = None) -> Response:
-    """:func:`json_response` of ``build()``, both run on a worker thread: for answers that may be large
-    (a vector per token), whose conversion to Python lists and JSON would otherwise stall the event loop,
-    and with it /health and every other request, for seconds."""
-    body = await asyncio.to_thread(lambda: json.dumps(build(), separators=(",", ":")))
+    """:func:`json_response` of ``build()``, built on a worker thread by :func:`encode_json`: for answers
+    that may be large (a vector per token or piece, a token list per input), which would otherwise stall the
+    event loop, and with it /health and every other request, for seconds."""
+    body = await asyncio.to_thread(lambda: encode_json(build()))
     return Response(body, media_type="application/json", headers=timing_headers(usage) if usage else None)
 
 

@@ -39,7 +39,9 @@ def _ref(model: type[BaseModel]) -> dict:
 
 
 def _loads(body: bytes):
-    """The body's JSON, or a 400 naming what is wrong with it."""
+    """The body's JSON, or a 400 naming what is wrong with it (worded as the app's handler words it)."""
+    if not body.strip():
+        raise MalformedRequest("the request body is empty; send a JSON object", param="body")
     try:
         return json.loads(body)
     except RecursionError:
@@ -132,7 +134,7 @@ def add_tei_routes(app: FastAPI, engine: Engine) -> None:
         ``piece_tokens`` of its best piece (named in the answer)."""
         query_params, text_params = body.params()
         with params_named(inputs="texts"):  # refused before the query runs, as a request, not half-way
-            engine.check(text_params)
+            await engine.check_all(text_params)
         with params_named(inputs="query"):
             query = await engine.embed(query_params, watch(request))
         q = query.value[0]

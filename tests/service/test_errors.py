@@ -248,11 +248,16 @@ def test_rerank_refuses_a_bad_texts_field_before_the_query_runs(tiny_dir, serve,
             bad = [await c.post("/rerank", json={"query": query, "texts": ["a"], "piece_tokens": 65}),
                    await c.post("/rerank", json={"query": query, "texts": ["a"] * 65}),
                    await c.post("/rerank", json={"query": query, "texts": ["a"], "piece_tokens": 8,
-                                                 "long_input": "chunk"})]
+                                                 "long_input": "chunk"}),
+                   # over the input length with truncation off: known only once tokenised, still before the query
+                   await c.post("/rerank", json={"query": query, "texts": ["a", "word " * 100], "long_input": "error"}),
+                   await c.post("/rerank", json={"query": query, "texts": ["word " * 100], "truncate": False,
+                                                 "piece_tokens": 8})]
             return bad, metric(c, "yoso_tokens_processed_total") - before
 
     bad, tokens = asyncio.run(main())
-    assert [r.status_code for r in bad] == [422, 422, 422]
+    assert [r.status_code for r in bad] == [422] * 5
+    assert "input 1 has 102 tokens" in error_of(bad[3], 422)["message"] and error_of(bad[3], 422)["param"] == "texts"
     assert tokens == 0  # the query was never run
 
 
@@ -578,3 +583,47 @@ def test_a_burst_of_tokenize_calls_cannot_hold_up_model_work(tiny_dir, serve):
     embed, tokenized = asyncio.run(main())
     assert embed.status_code == 200 and [r.status_code for r in tokenized] == [200, 200, 200]
     assert names and all(n.startswith("yoso-text") for n in names), names
+
+
+def test_large_answers_are_json_made_in_small_pieces():
+    """encode_json writes what one json.dumps of the same lists writes, in calls small enough that the event
+    loop gets the GIL between them (one call on 130 MB of token states held it for 3 s)."""
+    import numpy as np
+
+    from yoso_serve.service import responses
+
+    rng = np.random.default_rng(0)
+    states = [rng.standard_normal((n, 5)).astype(np.float32) for n in (700, 0, 3)]
+    pieces = [{"embedding": rng.standard_normal(40).astype(np.float32),
+               "pieces": [{"embedding": row, "tokens": [0, 16], "chars": [0, 63]}
+                          for row in rng.standard_normal((300, 40)).astype(np.float32)]}]
+    tokens = [[{"id": i, "text": f"t{i}", "start": i, "stop": i + 1, "special": False} for i in range(600)], []]
+
+    def plain(x):
+        if isinstance(x, np.ndarray):
+            return x.tolist()
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return [plain(v) for v in x] if isinstance(x, list) else x
+
+    for value in (states, pieces, tokens, [[], {}, "x", None]):
+        assert responses.encode_json(value) == json.dumps(plain(value), separators=(",", ":"))
+    assert responses.encode_json({"score": np.float32(0.25), "rows": np.zeros((2, 0))}) == '{"score":0.25,"rows":[[],[]]}'
+    calls = []
+    real = json.dumps
+    try:
+        responses.json.dumps = lambda *a, **k: calls.append(1) or real(*a, **k)
+        responses.encode_json(states)
+    finally:
+        responses.json.dumps = real
+    assert len(calls) >= 703  # a call per row: none holds the GIL for long
+
+
+@pytest.mark.parametrize("path", ["/embed", "/", "/rerank", "/v1/embeddings"])
+def test_an_empty_body_is_a_400_on_every_route(tiny_dir, serve, path):
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            return await c.post(path, content=b"", headers={"content-type": "application/json"})
+
+    err = error_of(asyncio.run(main()), 400)
+    assert err["param"] == "body" and err["message"] == "the request body is empty; send a JSON object", err
