@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine
-from .errors import MalformedRequest, MethodNotAllowed, NotFound, NotReady, ServiceError, InvalidInput
+from .errors import InvalidInput, MalformedRequest, MethodNotAllowed, NotFound, NotReady, ServiceError, empty_body
 from .metrics import CONTENT_TYPE, ServiceMetrics
 from .middleware import EdgeMiddleware, RouteTable
 from .protocol import (PATTERN_MEANS, UNION_TAGS, ClassifyRequest, EmbedAllRequest, EmbedPiecesRequest, EmbedRequest,
@@ -130,7 +130,7 @@ def _add_error_handlers(app: FastAPI) -> None:
             detail = (bad_json.get("ctx") or {}).get("error", "invalid JSON")
             return _error(MalformedRequest(f"malformed JSON body: {detail}", param="body"))
         if errors[0].get("type") == "missing" and tuple(errors[0].get("loc", ())) == ("body",):
-            return _error(MalformedRequest("the request body is empty; send a JSON object", param="body"))
+            return _error(empty_body())
         loc = _client_path(errors[0])
         # a field that takes one of several forms fails once per form: say them together
         alike = [e for e in errors if _client_path(e) == loc]

@@ -27,6 +27,11 @@ class MalformedRequest(ServiceError):
     default_code = "bad_request"
 
 
+def empty_body() -> MalformedRequest:
+    """The one answer to a request without a body, whichever parser found it out."""
+    return MalformedRequest("the request body is empty; send a JSON object", param="body")
+
+
 class Unauthorized(ServiceError):
     type = "authentication_error"
     default_code = "unauthorized"

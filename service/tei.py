@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from .engine import Engine
-from .errors import InvalidInput, MalformedRequest, NotReady
+from .errors import InvalidInput, MalformedRequest, NotReady, empty_body
 from .protocol import (DecodeRequest, EmbedRequest, PredictRequest, Rank, RerankRequest, ScoredLabel,
                        SimilarityRequest, ZeroShotRequest)
 from .responses import ERRORS, json_response, params_named, watch
@@ -41,7 +41,7 @@ def _ref(model: type[BaseModel]) -> dict:
 def _loads(body: bytes):
     """The body's JSON, or a 400 naming what is wrong with it (worded as the app's handler words it)."""
     if not body.strip():
-        raise MalformedRequest("the request body is empty; send a JSON object", param="body")
+        raise empty_body()
     try:
         return json.loads(body)
     except RecursionError:
@@ -50,21 +50,16 @@ def _loads(body: bytes):
         raise MalformedRequest(f"malformed JSON body: {exc}", param="body") from None
 
 
-def _parse(body: bytes, model: type[BaseModel]) -> BaseModel:
-    """Validate a body read by hand the way FastAPI validates declared ones (same 400/422 answers)."""
-    data = _loads(body)
+def _validate(data, model: type[BaseModel]) -> BaseModel:
+    """Validate a body read by hand the way FastAPI validates declared ones (same 422 answers)."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
-def _root_kind(raw: bytes, head: bool) -> type[BaseModel]:
-    """Which body POST / got, by its shape; a malformed one goes to the model's default parser."""
-    try:
-        data = _loads(raw)
-    except MalformedRequest:
-        data = None
+def _root_kind(data, head: bool) -> type[BaseModel]:
+    """Which body POST / got, by the shape of its JSON."""
     data = data if isinstance(data, dict) else {}
     parameters = data.get("parameters")
     if isinstance(parameters, dict) and "candidate_labels" in parameters:
@@ -115,14 +110,15 @@ def add_tei_routes(app: FastAPI, engine: Engine) -> None:
         head = has_head(engine)
         if head is None:  # the body's form depends on the model
             raise NotReady(f"not ready ({engine.state}); retry later or on another replica")
-        kind = _root_kind(raw, head)
+        data = _loads(raw)  # parsed once: its shape picks the body, which then validates it
+        kind = _root_kind(data, head)
         if kind is ZeroShotRequest:
-            return await zero_shot(_parse(raw, ZeroShotRequest), request)
+            return await zero_shot(_validate(data, ZeroShotRequest), request)
         if kind is PredictRequest:
-            return await predict(_parse(raw, PredictRequest), request)
+            return await predict(_validate(data, PredictRequest), request)
         if kind is SimilarityRequest:
-            return await similarity(_parse(raw, SimilarityRequest), request)
-        return await embed(_parse(raw, EmbedRequest), request)
+            return await similarity(_validate(data, SimilarityRequest), request)
+        return await embed(_validate(data, EmbedRequest), request)
 
     app.post("/predict", response_model=list[ScoredLabel] | list[list[ScoredLabel]], responses=ERRORS,
              summary="Predict (TEI)")(predict)

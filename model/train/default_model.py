@@ -328,20 +328,22 @@ def write_score_center(model_dir: Path, data: Path) -> dict:
     with open(data, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
     found = calibrate_center(load_pretrained(model_dir), rows)
+    update_config(model_dir, {"score_center": found["score_center"]})
+    return found
+
+
+def update_config(model_dir: Path, values: dict) -> dict:
+    """Write ``values`` into ``model_dir``/config.json (idempotent); returns the config."""
     path = model_dir / "config.json"
     config = json.loads(path.read_text(encoding="utf-8"))
-    config["score_center"] = found["score_center"]
+    config.update(values)
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return found
+    return config
 
 
 def apply_served_settings(model_dir: Path) -> dict:
     """Write SERVED_SETTINGS into ``model_dir``/config.json (idempotent); returns the config."""
-    path = model_dir / "config.json"
-    config = json.loads(path.read_text(encoding="utf-8"))
-    config.update(SERVED_SETTINGS)
-    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return config
+    return update_config(model_dir, SERVED_SETTINGS)
 
 
 # Training stages in pipeline order → the builder of each one's command.
