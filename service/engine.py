@@ -473,7 +473,7 @@ class Engine:
                     raise InvalidInput(f"input {i} has {len(ids)} tokens, above the limit of {self.max_length} (the "
                                        "model's input length), and the request turned truncation off; shorten it, "
                                        "allow truncation" + (", or send long_input='chunk'" if chunk_hint else ""),
-                                       param="inputs")
+                                       param="inputs", index=i)
             return [[(ids, len(ids))] for ids, _ in encoded], [o for _, o in encoded] if offsets else None
         if offsets:
             raise ValueError("character offsets are for whole inputs, not chunks")

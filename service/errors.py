@@ -67,10 +67,22 @@ class UnsupportedMediaType(ServiceError):
 
 
 class InvalidInput(ServiceError):
-    """The request is well-formed but breaks a limit or a rule (empty input, too long, ...)."""
+    """The request is well-formed but breaks a limit or a rule (empty input, too long, ...). ``index``: the
+    input it is about, which the message calls "input {index}" (a route may rename it: :meth:`name_input`)."""
 
     type = "invalid_request_error"
     default_code = "invalid_input"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 index: int | None = None) -> None:
+        super().__init__(message, param=param, code=code)
+        self.index = index
+
+    def name_input(self, name: str) -> None:
+        """Call the input this error is about ``name``, as the route's body spells it."""
+        if self.index is not None:
+            self.message = self.message.replace(f"input {self.index}", name, 1)
+            self.args = (self.message,)
 
 
 class Overloaded(ServiceError):

@@ -177,10 +177,15 @@ class OpenAIEmbeddingRequest(BaseModel):
         None, description="Keep the first n dimensions, then renormalise.")
     hashes: HashCount = Field(None, description="yoso-serve's own, as on /embed: LSH samples, 0 = exact "
                               "YOSO-E, \"auto\"; default the server's.")
+    truncate: bool | None = Field(None, description="yoso-serve's own, as on /embed: false makes an over-long "
+                                  "input a 422.")
+    long_input: LongInput = Field("truncate", description="yoso-serve's own, as on /embed: cut an input over "
+                                  "the model's max length, embed it in windows (chunk), or answer 422 (error).")
 
     def to_params(self) -> EmbedParams:
         return EmbedParams(texts=_as_list(self.input), normalize=True, dimensions=self.dimensions,
-                           hashes=self.hashes)
+                           hashes=self.hashes, long_input=_long_input(self.long_input, self.truncate),
+                           chunk_hint=True)
 
 
 # --- text-embeddings-inference's routes (/predict, /rerank, /similarity, /decode) -----------------

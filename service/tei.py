@@ -85,7 +85,12 @@ def add_tei_routes(app: FastAPI, engine: Engine) -> None:
         return json_response(rows[0] if single else rows, out.usage)
 
     async def similarity(body: SimilarityRequest, request: Request) -> Response:
-        out = await engine.embed(body.params(), watch(request))
+        try:
+            out = await engine.embed(body.params(), watch(request))
+        except InvalidInput as exc:  # the engine numbers the source sentence input 0
+            if exc.index is not None:
+                exc.name_input("inputs.source_sentence" if exc.index == 0 else f"inputs.sentences.{exc.index - 1}")
+            raise
         return json_response([float(s) for s in out.value[1:] @ out.value[0]], out.usage)
 
     async def embed(body: EmbedRequest, request: Request) -> Response:

@@ -220,6 +220,21 @@ def test_over_length_error_offers_only_what_the_route_takes(tiny_dir, serve, pat
     assert "chunk" not in message, message
 
 
+def test_similarity_names_the_over_length_sentence_as_its_body_does(tiny_dir, serve):
+    """The engine numbers the source sentence input 0; /similarity's client wrote it apart from the rest."""
+    long, off = "word " * 100, {"truncate": False}
+
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            return [await c.post("/similarity", json={"inputs": body, "parameters": off}) for body in (
+                {"source_sentence": long, "sentences": ["a"]}, {"source_sentence": "a", "sentences": ["b", long]})]
+
+    source, second = (error_of(r, 422) for r in asyncio.run(main()))
+    assert source["message"].startswith("inputs.source_sentence has 102 tokens"), source
+    assert second["message"].startswith("inputs.sentences.1 has 102 tokens"), second
+    assert source["param"] == second["param"] == "inputs"
+
+
 def test_vectors_per_answer_are_capped_at_max_batch_tokens(tiny_dir, serve):
     """/embed_all answers a vector per token and /embed_pieces one per piece: a request may ask for one full
     batch's worth (max_batch_tokens), so one legal request cannot build gigabytes of JSON."""
@@ -521,6 +536,28 @@ def test_openai_route_honours_hashes_and_probes_answer_head(tiny_dir, serve):
     assert sampled.json()["data"][0]["embedding"] == pytest.approx(embed.json()[0], abs=1e-6)
     assert error_of(bad, 422)["param"] == "hashes"
     assert health.status_code == 200 and ready.status_code == 200 and health.content == b""
+
+
+def test_openai_route_honours_truncate_and_long_input(tiny_dir, serve):
+    """yoso-serve's own fields on /v1/embeddings (reachable through OpenAI's SDK as extra_body), as on /embed."""
+    long = "word " * 100
+
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            return (await c.post("/v1/embeddings", json={"input": long}),
+                    await c.post("/embed", json={"inputs": long}),
+                    await c.post("/v1/embeddings", json={"input": ["a", long], "truncate": False}),
+                    await c.post("/v1/embeddings", json={"input": long, "long_input": "chunk"}),
+                    await c.post("/embed", json={"inputs": long, "long_input": "chunk"}),
+                    await c.post("/v1/embeddings", json={"input": long, "long_input": "split"}))
+
+    cut, cut_embed, refused, chunked, chunked_embed, bad = asyncio.run(main())
+    assert cut.json()["data"][0]["embedding"] == pytest.approx(cut_embed.json()[0], abs=1e-6)
+    err = error_of(refused, 422)
+    assert err["param"] == "input" and "input 1 has 102 tokens" in err["message"], err
+    assert chunked.json()["data"][0]["embedding"] == pytest.approx(chunked_embed.json()[0], abs=1e-6)
+    assert chunked.json()["data"][0]["embedding"] != pytest.approx(cut.json()["data"][0]["embedding"], abs=1e-3)
+    assert error_of(bad, 422)["param"] == "long_input"
 
 
 def test_a_body_that_stops_arriving_is_a_408_and_frees_its_slot(tiny_dir, serve, metric, monkeypatch):
