@@ -33,7 +33,7 @@ from yoso_serve.kernels.hashing import _projection, quantize_rows
 
 from .checkpoint import check_out_dir, load_pretrained
 from .encoder import YosoSelfAttention
-from .hashes import resolve_hashes
+from .hashes import MAX_HASHES, resolve_hashes
 from .encoder_model import EncoderModel
 
 ONNX_FILE = "model.onnx"
@@ -209,8 +209,11 @@ def export_onnx(model: EncoderModel | str | Path, out_dir: str | Path, *, hashes
     ``model`` is an :class:`EncoderModel` or a checkpoint directory; ``hashes`` (default: the
     model's default_hashes; 0 = exact) is fixed in the graph. The model is moved to the CPU in
     float32 (in place, as ``nn.Module.to`` does). The config written has use_expectation/num_hash
-    set so that its default_hashes is the exported count. Bad hashes/opset → ValueError.
+    set so that its default_hashes is the exported count. Bad hashes (more than MAX_HASHES
+    included)/opset → ValueError.
     """
+    if isinstance(hashes, int) and hashes > MAX_HASHES:  # the graph unrolls every hash: hours to trace
+        raise ValueError(f"hashes must be <= {MAX_HASHES} to export, got {hashes}")
     if opset < 16:
         raise ValueError(f"opset must be >= 16 (ScatterND with add reduction), got {opset}")
     if opset > MAX_OPSET:

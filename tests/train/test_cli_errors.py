@@ -168,8 +168,14 @@ def test_convert_numbers_are_refused_at_parse_time(option, value, capsys):
 
 def test_export_onnx_hash_count_is_capped(tiny_yoso, tmp_path, capsys):
     assert main(["export-onnx", "--model", str(tiny_yoso), "--out", str(tmp_path / "o"), "--hashes", "100000"]) == 2
-    one_line(capsys.readouterr().err, "--hashes", "256")
+    one_line(capsys.readouterr().err, "hashes", "256")
     assert not (tmp_path / "o").exists()
+    # the cap is the exporter's own, so Python callers meet it too
+    from yoso_serve.model.export import export_onnx
+
+    with pytest.raises(ValueError, match="hashes must be <= 256"):
+        export_onnx(tiny_yoso, tmp_path / "p", hashes=257)
+    assert not (tmp_path / "p").exists()
 
 
 def test_comma_separated_hash_counts_are_capped(tiny_bert, tiny_yoso, tmp_path, capsys, write_jsonl):
