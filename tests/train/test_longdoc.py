@@ -11,8 +11,8 @@ import torch
 
 from yoso_serve.model.train import longdocs, retrieval
 from yoso_serve.model.train.cli import main
-from yoso_serve.model.train.longdoc import (DocCorpus, LongDocLoss, crop_length, draw_spans, mine_neighbours,
-                                            parse_curriculum, step_documents)
+from yoso_serve.model.train.longdoc import (DocCorpus, LongDocLoss, crop_length, draw_spans, kernel_logits,
+                                            mine_neighbours, parse_curriculum, step_documents)
 from yoso_serve.model.train.runtime import read_events
 
 TOPICS = [("alpha", "beta", "gamma"), ("python", "module", "function"), ("file", "path", "error"),
@@ -395,6 +395,55 @@ def test_longdoc_trains_its_segments_with_w_segment(tiny_bert, tiny_yoso, docs_f
     assert {"segment_loss", "segment_top1"} <= set(rows[0])
     assert {r["segment_tokens"] for r in rows} == {16, 32}  # one of the sizes drawn per step, both used
     assert mean(rows[-6:], "segment_loss") < mean(rows[:6], "segment_loss")
+
+
+def test_kernel_logits_are_the_log_mean_kernel_over_each_document_s_real_pieces():
+    g = torch.Generator().manual_seed(1)
+    spans = torch.nn.functional.normalize(torch.randn(3, 8, generator=g), dim=-1)
+    pieces = torch.nn.functional.normalize(torch.randn(4, 5, 8, generator=g), dim=-1)
+    valid = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    got = kernel_logits(spans, pieces, valid, 7.0)
+    for s in range(3):
+        for c in range(3):
+            real = pieces[c][valid[c]]
+            want = torch.exp(7.0 * (real @ spans[s] - 1.0)).mean().log()
+            assert torch.allclose(got[s, c], want, atol=1e-5)
+    assert torch.isinf(got[:, 3]).all() and (got[:, 3] < 0).all()  # no piece: never a target
+
+
+def test_kernel_loss_pulls_the_one_vector_ranking_towards_the_pieces(tiny_yoso):
+    # document 0's mean points away from the span, but one of its pieces is the span: the kernel mean ranks
+    # it first and the loss pulls its one vector (a free parameter here) towards the span
+    from yoso_serve.model import load_pretrained
+
+    student = load_pretrained(tiny_yoso)
+    loss_fn = LongDocLoss(student, temperature=0.05, queue=0, weights=(1.0, 0.5), w_kernel=1.0, kernel_tokens=4,
+                          max_tokens=8)
+    d = student.config.hidden_size
+    basis = torch.eye(d)
+    pieces = torch.stack([torch.stack([basis[0], basis[1]]), torch.stack([basis[2], basis[3]])])
+    valid = torch.ones(2, 2, dtype=torch.bool)
+    docs = torch.stack([basis[1], (basis[0] + basis[2]) / 2 ** 0.5]).requires_grad_()
+    span = basis[0:1]
+    loss, top1 = loss_fn.kernel_loss(span, docs, pieces, valid, torch.tensor(20.0), torch.tensor([0]))
+    assert top1 == 1.0 and loss > 1.0
+    loss.backward()
+    assert docs.grad[0, 0] < 0 < docs.grad[1, 0]  # descent raises doc 0's cosine with the span, lowers doc 1's
+    same, _ = loss_fn.kernel_loss(span, torch.stack([basis[0], basis[2]]), pieces, valid, torch.tensor(20.0 / 0.5),
+                                  torch.tensor([0]))
+    assert same < 1e-3  # the target is reached when the one vectors score as the pieces do (β 20 = 40 × 0.5)
+
+
+def test_longdoc_with_w_kernel_queues_the_pieces_and_learns(tiny_bert, tiny_yoso, docs_file, tmp_path):
+    out = tmp_path / "kernel"
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "16", "--w-kernel", "1",
+                             "--kernel-tokens", "16")) == 0
+    rows = read_events(out, "train")
+    assert {"kernel_loss", "kernel_top1"} <= set(rows[0])
+    assert all(r["kernel_loss"] >= 0 for r in rows)
+    state = torch.load(out / "checkpoints" / "last.pt", weights_only=False)["model"]
+    assert state["queue_pieces"].shape == (8, -(-120 // 16), 32)
+    assert state["queue_piece_valid"].any(-1).sum() == 8  # a full queue: every entry has pieces
 
 
 def test_longdoc_resume_reproduces_an_uninterrupted_run(tiny_bert, tiny_yoso, docs_file, tmp_path):
