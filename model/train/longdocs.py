@@ -20,6 +20,7 @@ import hashlib
 import html.parser
 import json
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -176,6 +177,26 @@ def man_page_names(root: Path = MAN_ROOT) -> frozenset[str]:
     return frozenset(p.name.split(".")[0] for p in root.glob("**/*.*") if p.is_file())
 
 
+def dpkg_version(package: str) -> str | None:
+    """The installed version of a Debian package (``dpkg-query``), or None where it is not installed or the
+    machine has no dpkg."""
+    try:
+        done = subprocess.run(["dpkg-query", "-W", "-f=${Version}", package], capture_output=True, text=True,
+                              timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+def package_versions(packages, query: Callable[[str], str | None] | None = None) -> dict[str, str | None]:
+    """{package: installed version or None}, sorted by name: what a corpus was read from. A new version of a
+    documentation package changes its pages, and with them the documents and every figure measured on them."""
+    query = query or dpkg_version
+    return {name: query(name) for name in sorted(set(packages))}
+
+
 def key_hash(key: str) -> int:
     """A hash of ``key`` that is the same on every machine and run (``hash()`` is salted per process)."""
     return int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest()[:4], "big")
@@ -269,5 +290,6 @@ def prepare_corpus(out: Path, tokenizer, *, train_sources=TRAIN_SOURCES, transfe
         counts[f"{side}_tokens"] = sum(r["tokens"] for r in rows)
         counts[f"{side}_by_source"] = {s: sum(r["source"] == s for r in rows) for s in sorted({r["source"] for r in rows})}
     counts["manual_page_names_skipped_against"] = len(man)
+    counts["packages"] = package_versions(SOURCES[name].package for name in (*train_sources, *transfer_sources))
     (out / "counts.json").write_text(json.dumps(counts, indent=2) + "\n")
     return counts

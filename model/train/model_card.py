@@ -42,6 +42,18 @@ def _counts(by_source: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in by_source.items())
 
 
+def _versions(*corpora: dict | None) -> list[str]:
+    """The card's lines naming the package versions the corpora were read from (none where the corpora's
+    counts predate recording them)."""
+    found: dict[str, str] = {}
+    for counts in corpora:
+        found.update({k: v or "not installed" for k, v in ((counts or {}).get("packages") or {}).items()})
+    if not found:
+        return []
+    return [f"Package versions read: {_counts(dict(sorted(found.items())))}. Another version of a package changes its "
+            "pages, so the documents and every figure measured on them move with it (see docs/training.md).", ""]
+
+
 def _packages(sources) -> str:
     return ", ".join(SOURCES[k].package for k in sources)
 
@@ -274,6 +286,7 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         f"{_counts(added)}); the PostgreSQL documents are the same.", "",
         *([f"Kept out of every stage as well, a second measure of transfer: {kept['transfer_docs']} documents of "
            f"{len(UNSEEN_SOURCES)} more packages ({_counts(kept['transfer_by_source'])}).", ""] if kept else []),
+        *_versions(docs, wide, kept),
         "## Training", "",
         "```", f"python -m yoso_serve.model.train.default_model all --work {work}"
         + (f" --minutes {config['max_minutes']:g}" if config["max_minutes"] else ""),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -122,13 +123,17 @@ def test_transfer_documents_of_several_sources_are_mixed(tmp_path, monkeypatch):
     # deep_pairs takes the first N eligible documents: with several sources kept out, the transfer file must not
     # be one source after another, or the eval's corpus is its first source alone
     names = ("a", "b", "c", "t")
-    monkeypatch.setattr(longdocs, "SOURCES", {n: n for n in names})
+    monkeypatch.setattr(longdocs, "SOURCES", {n: longdocs.Source(n, tmp_path / n, f"{n}-doc") for n in names})
+    monkeypatch.setattr(longdocs, "dpkg_version", lambda package: f"{package[0]}-1.0")
     monkeypatch.setattr(longdocs, "read_source", lambda source, tok, **kw: (
-        {"doc": f"{source}/p{i}#0", "source": source, "page": f"{source}/p{i}", "blocks": ["x"], "tokens": 2000}
-        for i in range(40)))
+        {"doc": f"{source.name}/p{i}#0", "source": source.name, "page": f"{source.name}/p{i}", "blocks": ["x"],
+         "tokens": 2000} for i in range(40)))
     longdocs.prepare_corpus(tmp_path / "mixed", None, train_sources=("t",), transfer_sources=("a", "b", "c"),
                             heldout_percent=0)
     rows = [json.loads(line) for line in (tmp_path / "mixed" / "transfer_docs.jsonl").read_text().splitlines()]
+    # the counts name the package versions the corpus was read from
+    assert json.loads((tmp_path / "mixed" / "counts.json").read_text())["packages"] == {
+        "a-doc": "a-1.0", "b-doc": "b-1.0", "c-doc": "c-1.0", "t-doc": "t-1.0"}
     assert sorted(r["doc"] for r in rows) == sorted(f"{n}/p{i}#0" for n in "abc" for i in range(40))
     assert {r["source"] for r in rows[:15]} == {"a", "b", "c"}
     again = tmp_path / "again"
@@ -139,6 +144,20 @@ def test_transfer_documents_of_several_sources_are_mixed(tmp_path, monkeypatch):
     for side, src in (("transfer", "a"), ("train", "t")):
         docs = [json.loads(line)["doc"] for line in (tmp_path / "one" / f"{side}_docs.jsonl").read_text().splitlines()]
         assert docs == [f"{src}/p{i}#0" for i in range(40)]
+
+
+def test_package_versions_from_dpkg_or_none(monkeypatch):
+    assert longdocs.package_versions(["b", "a", "b"], query=lambda p: "2.0" if p == "a" else None) == {
+        "a": "2.0", "b": None}
+    # a machine without dpkg, or a package not installed: None, never an error
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert longdocs.dpkg_version("postgresql-doc-15") is None
+
+
+@pytest.mark.skipif(not shutil.which("dpkg-query"), reason="needs dpkg (Debian)")
+def test_dpkg_version_of_an_installed_and_a_missing_package():
+    assert longdocs.dpkg_version("dpkg")  # dpkg itself is always installed where dpkg-query is
+    assert longdocs.dpkg_version("no-such-package-yoso") is None
 
 
 def test_curriculum_stages():

@@ -120,6 +120,7 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert "drawn 3 times per document with 3 seeds and pooled" in card
     assert "deep recall@1 at least the windowed teacher's + 0.05: not met" in card
     assert "minus the windowed teacher's" not in card  # results from before the eval's deep_margin table
+    assert "Package versions read" not in card  # corpora counted before the versions were recorded
     assert "short recall@1 at least 0.97 × the teacher's: met" in card
     assert "| stage 3's model, one pass | 300 | 900 | 0.500 | 0.550 | 2.00 |" in card
     assert "improves deep retrieval on the source kept out over every earlier stage measured: no" in card
@@ -168,6 +169,10 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
 
 
     winning = _work(tmp_path / "win", tiny_yoso, student_recall=0.75, refined_recall=0.62, short=0.85)
+    for corpus, packages in (("longdoc-data", {"postgresql-doc-15": "15.20-0+deb12u1", "linux-doc": "6.1"}),
+                             ("longdoc-data-wide", {"linux-doc": "6.1", "nodejs-doc": None})):
+        counts = winning / corpus / "counts.json"
+        counts.write_text(json.dumps({**json.loads(counts.read_text()), "packages": packages}))
     (winning / "retrieval-unseen").mkdir()
     shorts = [{"method": "student", "pairs": 30, "recall_at_1": 0.5, "mrr_at_10": 0.6},
               {"method": "teacher", "pairs": 30, "recall_at_1": 0.45, "mrr_at_10": 0.55}]
@@ -204,6 +209,8 @@ def test_bundle_ships_only_a_student_whose_deep_retrieval_improved(tiny_yoso, tm
     assert bundle(winning, target)
     card = (target / "MODEL_CARD.md").read_text()
     assert "int8 hashing (`hash_int8`" in card and load_pretrained(target).config.hash_int8
+    assert ("Package versions read: linux-doc 6.1, nodejs-doc not installed, postgresql-doc-15 15.20-0+deb12u1. "
+            "Another version of a package changes its pages") in card
     assert "Its `score_center` is 0.43: the cosine that best separates" in card
     assert load_pretrained(target).config.score_center == 0.43
     assert card == (winning / "MODEL_CARD.md").read_text()
