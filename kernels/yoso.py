@@ -193,16 +193,17 @@ def _check_args(q, k, v, key_mask, num_hashes, hash_bits, seed, backend) -> None
         raise ValueError("key_mask must be bool or hold only 0 and 1")
 
 
-def _prepare(q, k, v, key_mask, half_values=False):
-    """Unit q̂, k̂ and fp32 v (in its dtype with half_values), and keep (BH, N) fp32 0/1."""
+def _prepare(q, k, v, key_mask, half_values=False, normalize=True):
+    """Unit q̂, k̂ (q, k as given without normalize) and fp32 v (in its dtype with half_values),
+    and keep (BH, N) fp32 0/1."""
     batch, heads, length, _ = q.shape
     keep = torch.ones(batch, length, dtype=torch.float32, device=q.device)
     if key_mask is not None:
         keep = key_mask.to(torch.float32)
     keep = keep[:, None, :].expand(batch, heads, length).reshape(batch * heads, length)
-    q_hat = F.normalize(q.float(), dim=-1)
-    k_hat = F.normalize(k.float(), dim=-1)
-    return q_hat, k_hat, v if half_values else v.float(), keep
+    if normalize:
+        q, k = F.normalize(q.float(), dim=-1), F.normalize(k.float(), dim=-1)
+    return q, k, v if half_values else v.float(), keep
 
 
 def yoso_attention(
@@ -219,34 +220,46 @@ def yoso_attention(
     backend: str = "auto",
     exact_backward: str = "bound",
     int8_hash: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """YOSO attention, un-normalised: B(q̂, k̂)·V.
 
     q, k, v: (B, H, N, D) fp32|fp16|bf16, one dtype and device; key_mask: (B, N) bool or 0/1,
     1 = real token (also masks queries: padded query rows are zero). Returns (B, H, N, D) in
-    q's dtype, computed in fp32. exact=True or num_hashes=0 → YOSO-E (O(N²), chunked);
-    otherwise the mean over num_hashes LSH samples of hash_bits bits (O(N·m)), with
-    projections seeded from (seed, head). backend: "auto" (C++ if built, else PyTorch),
-    "torch", "cpp" (both modes; without autograd LSH mode runs one fused kernel). exact_backward: "bound" (the paper's
-    eq. 13–14, as transformers) or "true" (the derivative of exact mode's forward; LSH mode
-    always uses the bound). int8_hash: hash q and k quantized to int8 with int8 planes
-    (:mod:`.hashing`; about 3× faster hashing on CPUs with AVX-512 VNNI). Bad input → ValueError.
+    out_dtype (default q's dtype), computed in fp32. exact=True or num_hashes=0 → YOSO-E
+    (O(N²), chunked); otherwise the mean over num_hashes LSH samples of hash_bits bits (O(N·m)),
+    with projections seeded from (seed, head). backend: "auto" (C++ if built, else PyTorch),
+    "torch", "cpp" (both modes; without autograd LSH mode runs one fused kernel). exact_backward:
+    "bound" (the paper's eq. 13–14, as transformers) or "true" (the derivative of exact mode's
+    forward; LSH mode always uses the bound). int8_hash: hash q and k quantized to int8 with int8
+    planes (:mod:`.hashing`; about 3× faster hashing on CPUs with AVX-512 VNNI). out_dtype: B·V
+    sums the values of every colliding key, so at a few thousand tokens it can pass fp16's
+    65504; a caller that normalises the rows afterwards (N-YOSO) asks for torch.float32 and
+    casts after the norm. Bad input → ValueError.
     """
     _check_args(q, k, v, key_mask, num_hashes, hash_bits, seed, backend)
     if exact_backward not in EXACT_BACKWARDS:
         raise ValueError(f"exact_backward must be one of {EXACT_BACKWARDS}, got {exact_backward!r}")
     batch, heads, length, dim = q.shape
+    if out_dtype is None:
+        out_dtype = q.dtype
+    elif out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"out_dtype must be torch.float32, torch.float16 or torch.bfloat16, got {out_dtype!r}")
     kernels = _kernels(backend, q.device)  # an unavailable backend fails in every mode, before any work
     lsh = not (exact or num_hashes == 0)
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if kernels.fused is not None and not grads:
         # A code is the sign pattern of x·w, the same for q and q̂: LSH inference needs no normalising.
         hashes = num_hashes if lsh else 0
-        return kernels.fused(q, k, v, key_mask, hashes, hash_bits, seed, fast_hash, int8_hash).to(q.dtype)
-    q_hat, k_hat, values, keep = _prepare(q, k, v, key_mask, half_values=lsh and kernels.half_values)
+        return kernels.fused(q, k, v, key_mask, hashes, hash_bits, seed, fast_hash, int8_hash).to(out_dtype)
+    # q̂ and k̂ only serve LSH mode's backward: a forward without gradients needs the codes alone
+    q_hat, k_hat, values, keep = _prepare(q, k, v, key_mask, half_values=lsh and kernels.half_values,
+                                          normalize=grads or not lsh)
     flat = (batch * heads, length, dim)
     # the C++ kernels take contiguous (BH, N, D) rows; a transposed (B, N, H, D) input is not
-    q_flat, k_flat, v_flat = (t.reshape(flat).contiguous() for t in (q_hat, k_hat, values))
+    v_flat = values.reshape(flat).contiguous()
+    if grads or not lsh:
+        q_flat, k_flat = (t.reshape(flat).contiguous() for t in (q_hat, k_hat))
     if not lsh:
         exact_fn = kernels.exact or YosoExactFn.apply
         out = exact_fn(q_flat, k_flat, v_flat, keep, hash_bits, exact_backward == "true")
@@ -259,8 +272,11 @@ def yoso_attention(
             .masked_fill(masked, -1)
             for x in (q, k)
         )
-        out = YosoLSHFn.apply(q_flat, k_flat, v_flat, q_codes, k_codes, hash_bits, kernels)
-    return out.view(batch, heads, length, dim).to(q.dtype)
+        if grads:
+            out = YosoLSHFn.apply(q_flat, k_flat, v_flat, q_codes, k_codes, hash_bits, kernels)
+        else:
+            out = kernels.cumulate(q_codes, k_codes, v_flat, hash_bits)
+    return out.view(batch, heads, length, dim).to(out_dtype)
 
 
 class YosoReferenceFn(torch.autograd.Function):

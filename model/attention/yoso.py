@@ -37,7 +37,10 @@ class YosoAttentionCore(AttentionCore):
                 *, hashes: int, conv: torch.nn.Conv2d | None = None) -> torch.Tensor:
         context = yoso_attention(q, k, v, key_mask, num_hashes=hashes, hash_bits=self.hash_bits, seed=self.seed,
                                  exact=hashes == 0, fast_hash=self.fast_hash, backend=self.backend,
-                                 exact_backward=self.exact_backward, int8_hash=self.int8_hash)
+                                 exact_backward=self.exact_backward, int8_hash=self.int8_hash,
+                                 out_dtype=torch.float32)
         # N-YOSO: the cumulation is not divided by its expected count; unit norm per head instead.
-        return attention_finish(context, v, None if conv is None else conv.weight, key_mask,
-                                backend=self.backend)  # (B, H, N, D)
+        # The sum stays fp32 until it is normalised: in fp16 it overflows at a few thousand tokens.
+        out = attention_finish(context, v, None if conv is None else conv.weight, key_mask,
+                               backend=self.backend)  # (B, H, N, D)
+        return out.to(v.dtype)

@@ -263,3 +263,21 @@ def test_bad_cumulation_input_is_a_value_error(args, message):
     q_codes, k_codes, v, hash_bits = args
     with pytest.raises(ValueError, match=message):
         lsh_weighted_cumulate(q_codes, k_codes, torch.randn(2, 5, 3), torch.randn(2, 5, 3), v, hash_bits)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_out_dtype_and_the_forward_without_gradients(backend):
+    """out_dtype picks the result's dtype (the N-YOSO core asks for fp32 before its norm); a bad
+    one is a ValueError. The LSH forward without gradients (no q̂, k̂) equals the one with them."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 33, 16, generator=gen).half() for _ in range(3))
+    args = dict(num_hashes=8, hash_bits=6, seed=3, backend=backend)
+    with torch.no_grad():
+        fast = yoso_attention(q, k, v, out_dtype=torch.float32, **args)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    traced = yoso_attention(*leaves, out_dtype=torch.float32, **args)
+    assert fast.dtype == traced.dtype == torch.float32
+    torch.testing.assert_close(fast, traced.detach(), atol=1e-6, rtol=1e-6)
+    assert yoso_attention(q, k, v, **args).dtype == torch.float16
+    with pytest.raises(ValueError, match="out_dtype must be"):
+        yoso_attention(q, k, v, out_dtype=torch.int32, **args)

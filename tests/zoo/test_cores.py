@@ -173,3 +173,25 @@ def test_scratch_budgets_cut_the_work_without_changing_it(pattern, monkeypatch):
     monkeypatch.setattr(reformer, "_HASH_BUDGET", 64)  # a few positions per hashing slice
     torch.testing.assert_close(sparse_attention(q, k, v, mask, pattern=pattern, stride=4), whole, atol=1e-6, rtol=0)
     assert torch.equal(lsh_buckets(q, rot, mask, 4), hashed)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto", "cuda"])
+@pytest.mark.parametrize("hashes", [0, 4])
+def test_yoso_core_in_fp16_normalises_before_the_sum_can_overflow(kit, backend, hashes):
+    """Keys that all collide sum N values: 600 of 128.0 is 76800, past fp16's 65504. The op's
+    un-normalised B·V stays fp32 until N-YOSO's row norm, so the half-precision output is finite
+    and equals the fp32 core's (before: inf, then NaN from the norm, at 4096 real tokens)."""
+    if backend == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    device = "cuda" if backend == "cuda" else "cpu"
+    config = kit.tiny_config("yoso")
+    config.attention_backend = backend
+    core = build_attention(config, seed=3).eval()
+    n, heads, dim = 600, 4, 8
+    q = torch.ones(1, heads, n, dim, device=device)
+    v = torch.full((1, heads, n, dim), 128.0, device=device)
+    with torch.no_grad():
+        expected = core(q, q, v, None, hashes=hashes)
+        half = core(q.half(), q.half(), v.half(), None, hashes=hashes)
+    assert half.dtype == torch.float16 and bool(torch.isfinite(half).all())
+    torch.testing.assert_close(half.float(), expected, atol=2e-3, rtol=2e-3)
