@@ -120,6 +120,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--plot", type=Path, default=PLOT)
+    parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="N",
+                        help="also print where YOSO-32's GPU time goes at these lengths (torch.profiler, top kernels)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/attention_cuda.py needs a CUDA GPU; torch sees none")
@@ -154,6 +156,31 @@ def main() -> None:
     print_tables(rows, kernels, device)
     print_targets(rows)
     plot(rows, args.plot, device)
+    for n in args.profile:
+        profile(n, args.heads, args.dim, args.hash_bits, dtype)
+
+
+def profile(n: int, heads: int, dim: int, bits: int, dtype: torch.dtype, top: int = 10) -> None:
+    """The GPU kernels YOSO-32's forward and forward+backward spend their time in at length n."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(1, heads, n, dim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+    for label, fn in zip(("forward", "forward+backward"), yoso_fns(q, k, v, 32, bits)):
+        fn()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_time_total > 0]
+        total = sum(e.self_device_time_total for e in events)
+        print(f"\n### Where YOSO-32's GPU time goes: {label}, N={n} (total {total / 1e3:.3f} ms of kernels)\n")
+        print("| kernel | calls | ms | share |")
+        print("|---|---:|---:|---:|")
+        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+            print(f"| {e.key[:70]} | {e.count} | {e.self_device_time_total / 1e3:.3f} | "
+                  f"{e.self_device_time_total / max(total, 1):.0%} |")
 
 
 def print_tables(rows: list[dict], kernels: list[dict], device: str) -> None:

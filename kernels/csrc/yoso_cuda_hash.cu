@@ -2,7 +2,8 @@
 //
 // The Gaussian family is one GEMM (torch.matmul / cuBLAS on the Python side) and then
 // hash_pack_kernel, which turns the m*tau projections of a row into m packed codes. The fast
-// family runs H.D3.H.D2.H.D1 per (row, hash) in one warp, on shared memory.
+// family runs H.D3.H.D2.H.D1 per (row, hash): in one thread's registers up to P = 64, else in
+// one warp on shared memory.
 
 #include "yoso_cuda.h"
 
@@ -32,6 +33,104 @@ __global__ void hash_pack_kernel(const float* proj, int32_t* codes, int64_t bh_c
 }
 
 constexpr int kRotateWarps = 4;
+constexpr int kRotateThreads = 128;    // the register kernel: one thread per (row, group of hashes)
+constexpr int kHashesPerThread = 8;    // hashes one thread runs on its row, which stays in registers
+constexpr int kMaxRegisterRotateDim = 64;
+
+// The __host__ __device__ bodies below are unrolled on the device only (g++ rejects the pragma).
+#ifdef __CUDA_ARCH__
+#define YOSO_UNROLL _Pragma("unroll")
+#else
+#define YOSO_UNROLL
+#endif
+
+// Round-to-nearest products and sums that the compiler may not fuse (on the host, where the
+// tests check rotate_code against the Python reference, the products by ±1 are exact anyway).
+__host__ __device__ inline float rn_mul(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+__host__ __device__ inline float rn_add(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+__host__ __device__ inline float rn_sub(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+// H.D3.H.D2.H.D1 of one padded row, as the warp kernel below computes it (the same products and
+// butterflies in the same order, never contracted into FMAs, so the same bits), but in one
+// thread's registers: P is a compile-time constant, so every index below is one after unrolling.
+template <int P>
+__host__ __device__ inline int32_t rotate_code(const float (&x)[P], const float* sg, int tau) {
+  float y[P];
+  YOSO_UNROLL
+  for (int k = 0; k < P; ++k) y[k] = x[k];
+  YOSO_UNROLL
+  for (int r = 0; r < 3; ++r) {
+    YOSO_UNROLL
+    for (int k = 0; k < P; ++k) y[k] = rn_mul(y[k], sg[r * P + k]);
+    YOSO_UNROLL
+    for (int half = 1; half < P; half *= 2) {
+      YOSO_UNROLL
+      for (int q = 0; q < P / 2; ++q) {
+        const int j = (q / half) * 2 * half + q % half;
+        const float lo = y[j], hi = y[j + half];
+        y[j] = rn_add(lo, hi);
+        y[j + half] = rn_sub(lo, hi);
+      }
+    }
+  }
+  int32_t code = 0;
+  YOSO_UNROLL
+  for (int t = 0; t < (P < kYosoMaxHashBits ? P : kYosoMaxHashBits); ++t)
+    if (t < tau) code |= int32_t(y[t] > 0.f) << t;
+  return code;
+}
+
+// One thread per (row, group of kHashesPerThread hashes); rows fastest, so a warp's code writes
+// are contiguous and its sign loads (one head, one hash) are broadcasts.
+template <int P>
+__host__ __device__ inline void rotate_item(int64_t item, const float* x, const float* signs, int32_t* codes,
+                                            int64_t bh_count, int64_t heads, int64_t n, int64_t d, int64_t m, int tau) {
+  const int64_t groups = (m + kHashesPerThread - 1) / kHashesPerThread;
+  if (item >= bh_count * groups * n) return;
+  const int64_t i = item % n, g = (item / n) % groups, bh = item / (n * groups);  // (bh, group, i), i fastest
+  const float* row = x + (bh * n + i) * d;
+  float xr[P];
+  YOSO_UNROLL
+  for (int k = 0; k < P; ++k) xr[k] = k < d ? row[k] : 0.f;
+  const int64_t h_end = (g + 1) * kHashesPerThread < m ? (g + 1) * kHashesPerThread : m;
+  for (int64_t h = g * kHashesPerThread; h < h_end; ++h) {
+    const float* sg = signs + ((bh % heads) * m + h) * 3 * P;
+    codes[(bh * m + h) * n + i] = rotate_code<P>(xr, sg, tau);
+  }
+}
+
+template <int P>
+__global__ void __launch_bounds__(kRotateThreads)
+    hash_rotate_register_kernel(const float* x, const float* signs, int32_t* codes, int64_t bh_count, int64_t heads,
+                                int64_t n, int64_t d, int64_t m, int tau) {
+  rotate_item<P>(blockIdx.x * int64_t(kRotateThreads) + threadIdx.x, x, signs, codes, bh_count, heads, n, d, m, tau);
+}
+
+template <int P>
+void launch_rotate_register(const float* x, const float* signs, int32_t* codes, int64_t bh, int64_t heads, int64_t n,
+                            int64_t d, int64_t m, int tau, cudaStream_t stream) {
+  const int64_t groups = (m + kHashesPerThread - 1) / kHashesPerThread;
+  hash_rotate_register_kernel<P><<<blocks_for(bh * groups * n, kRotateThreads), kRotateThreads, 0, stream>>>(
+      x, signs, codes, bh, heads, n, d, m, tau);
+}
 
 // One warp per (row, hash); the padded vector lives in shared memory. __fmul_rn/__fadd_rn/
 // __fsub_rn are never contracted into FMAs, so each value sees the same roundings as on CPU.
@@ -82,6 +181,19 @@ const char* yoso_hash_rotate(const float* x, const float* signs, int32_t* codes,
   if (p < d || p < hash_bits || (p & (p - 1)) != 0) return "P must be a power of two >= max(D, hash_bits)";
   if (heads < 1 || bh % heads != 0) return "batch*heads must be a multiple of the heads in signs";
   if (bh * m * n == 0) return nullptr;
+  // Up to P = 64 (head dimensions up to 64) a thread holds the row in registers: one warp per
+  // (row, hash) on shared memory spent 87 ms of a 96 ms YOSO-32 forward at N = 65536 on an H100.
+  switch (p) {
+    case 1: launch_rotate_register<1>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
+    case 2: launch_rotate_register<2>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
+    case 4: launch_rotate_register<4>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
+    case 8: launch_rotate_register<8>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
+    case 16: launch_rotate_register<16>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
+    case 32: launch_rotate_register<32>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
+    case 64: launch_rotate_register<64>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
+    default: break;  // P > kMaxRegisterRotateDim: the warp kernel below
+  }
+  static_assert(kMaxRegisterRotateDim == 64, "the switch above instantiates P up to 64");
   const size_t smem = size_t(kRotateWarps) * p * sizeof(float);
   hash_rotate_kernel<<<blocks_for(bh * n * m, kRotateWarps), kRotateWarps * 32, smem, stream>>>(
       x, signs, codes, bh, heads, n, d, m, static_cast<int>(p), hash_bits);
