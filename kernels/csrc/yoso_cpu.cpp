@@ -9,12 +9,16 @@
 //     simd_level: registered by yoso_cpu_fused.cpp
 //
 // A negative code masks: such a key adds nothing, such a query reads zeros for that hash.
-// Every check names the limit it enforces (TORCH_CHECK -> RuntimeError in Python).
+// Every check names the limit it enforces (YOSO_CHECK, yoso_check.h -> RuntimeError in Python).
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
+#include <cstdio>
+#include <functional>
+
+#include "yoso_check.h"
 #include "yoso_cpu.h"
 #include "yoso_cpu_simd.h"
 
@@ -31,32 +35,55 @@ void register_fused_ops(pybind11::module_& m);
 // The N-YOSO norm and YOSO-C convolution after the op, in place (yoso_cpu_finish.cpp).
 void register_finish_ops(pybind11::module_& m);
 
+// yoso_check.h's message pieces: numbers by std::to_string / snprintf, never through std::ostream.
+namespace yoso {
+MessagePiece::MessagePiece(const char* s) : text(s) {}
+MessagePiece::MessagePiece(const std::string& s) : text(s) {}
+MessagePiece::MessagePiece(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);  // what an ostream prints by default
+  text = buf;
+}
+MessagePiece::MessagePiece(c10::IntArrayRef shape) : text("[") {
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  text += "]";
+}
+MessagePiece::MessagePiece(const c10::Device& device) : text(device.str()) {}
+std::string MessagePiece::integer_text(long long v) { return std::to_string(v); }
+
+std::string message(std::initializer_list<MessagePiece> pieces) {
+  std::string out;
+  for (const MessagePiece& piece : pieces) out += piece.text;
+  return out;
+}
+}  // namespace yoso
+
 // One tensor check for every binding of the extension (yoso_cpu_fused.cpp and yoso_cpu_finish.cpp
 // declare it too).
 void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", c10::toString(dtype), ", got ",
+  YOSO_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+  YOSO_CHECK(t.scalar_type() == dtype, name, " must be ", c10::toString(dtype), ", got ",
               c10::toString(t.scalar_type()));
-  TORCH_CHECK(t.dim() == rank, name, " must have rank ", rank, ", got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  YOSO_CHECK(t.dim() == rank, name, " must have rank ", rank, ", got shape ", t.sizes());
+  YOSO_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
 // A (B, H, N, D) fp32 CPU view whose last dimension has unit stride (a head split needs no copy);
 // the fused ops and the layer's finish read such views as they are.
 void check_view(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be Float, got ", c10::toString(t.scalar_type()));
-  TORCH_CHECK(t.dim() == 4, name, " must have rank 4 (B, H, N, D), got shape ", t.sizes());
-  TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, name, " must have unit stride along D, got strides ", t.strides());
+  YOSO_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+  YOSO_CHECK(t.scalar_type() == at::kFloat, name, " must be Float, got ", c10::toString(t.scalar_type()));
+  YOSO_CHECK(t.dim() == 4, name, " must have rank 4 (B, H, N, D), got shape ", t.sizes());
+  YOSO_CHECK(t.stride(3) == 1 || t.size(3) == 1, name, " must have unit stride along D, got strides ", t.strides());
 }
 
 // Int8 hashing's planes: integers in [-127, 127] (kernels/hashing.py quantizes them), D at most 1024 so that
 // the AVX2 and portable bodies' fp32 sums of x8 * w stay exact integers (|sum| <= D * 127^2 < 2^24).
 void check_int8_planes(const torch::Tensor& proj) {
-  TORCH_CHECK(proj.size(1) <= 1024, "int8 hashing takes head dimensions D <= 1024, got D = ", proj.size(1));
+  YOSO_CHECK(proj.size(1) <= 1024, "int8 hashing takes head dimensions D <= 1024, got D = ", proj.size(1));
   const float* w = proj.data_ptr<float>();
   for (int64_t i = 0; i < proj.numel(); ++i)
-    TORCH_CHECK(w[i] >= -127.f && w[i] <= 127.f && w[i] == float(int32_t(w[i])),
+    YOSO_CHECK(w[i] >= -127.f && w[i] <= 127.f && w[i] == float(int32_t(w[i])),
                 "int8 hashing needs proj of integers in [-127, 127], got ", w[i], " at flat index ", i);
 }
 
@@ -75,11 +102,18 @@ std::vector<torch::Tensor> pack_int8_planes(const torch::Tensor& proj) {
   return {w8, offset};
 }
 
+// The bindings keep the GIL through their checks, messages and allocations and give it up only
+// around the kernels, which cannot throw: an error is built and raised with the interpreter held.
+void run_without_gil(const std::function<void()>& kernel) {
+  pybind11::gil_scoped_release no_gil;
+  kernel();
+}
+
 // The packed planes of an int8 call: the caller's (pack_int8_planes of this proj) after a size check, or, when
 // none are given, proj validated and packed for this call alone.
 std::vector<torch::Tensor> int8_packed(const torch::Tensor& proj, const c10::optional<std::vector<torch::Tensor>>& packed) {
   if (!packed.has_value()) return pack_int8_planes(proj);
-  TORCH_CHECK(packed->size() == 2, "packed must be [w8, offset] from pack_int8_planes(proj), got ", packed->size(),
+  YOSO_CHECK(packed->size() == 2, "packed must be [w8, offset] from pack_int8_planes(proj), got ", packed->size(),
               " tensors");
   const torch::Tensor& w8 = (*packed)[0];
   const torch::Tensor& offset = (*packed)[1];
@@ -87,7 +121,7 @@ std::vector<torch::Tensor> int8_packed(const torch::Tensor& proj, const c10::opt
   const int64_t cols16 = yoso::simd::packed_cols16(proj.size(2));
   const int64_t want_w = packs ? proj.size(0) * cols16 * yoso::simd::packed_dpad(proj.size(1)) : 0;
   const int64_t want_offset = packs ? proj.size(0) * cols16 : 0;
-  TORCH_CHECK(w8.device().is_cpu() && w8.scalar_type() == at::kChar && w8.is_contiguous() && w8.numel() == want_w &&
+  YOSO_CHECK(w8.device().is_cpu() && w8.scalar_type() == at::kChar && w8.is_contiguous() && w8.numel() == want_w &&
                   offset.device().is_cpu() && offset.scalar_type() == at::kInt && offset.is_contiguous() &&
                   offset.numel() == want_offset,
               "packed must be pack_int8_planes(proj) for proj ", proj.sizes(), ": int8 (", want_w, ") and int32 (",
@@ -103,7 +137,7 @@ using yoso::kMaxHashBits;
 void check_codes_range(const torch::Tensor& codes, const char* name, int64_t buckets, int64_t hash_bits) {
   if (codes.numel() == 0) return;
   const int64_t top = codes.max().item<int64_t>();
-  TORCH_CHECK(top < buckets, name, " holds code ", top, " but hash_bits=", hash_bits,
+  YOSO_CHECK(top < buckets, name, " holds code ", top, " but hash_bits=", hash_bits,
               " allows codes below 2^hash_bits = ", buckets, " (negative codes mean masked)");
 }
 
@@ -111,15 +145,15 @@ void check_codes_range(const torch::Tensor& codes, const char* name, int64_t buc
 // check_range is false) the codes' range; returns the bucket count 2^hash_bits.
 int64_t check_codes_against_values(const torch::Tensor& q_codes, const torch::Tensor& k_codes, const torch::Tensor& v,
                                    int64_t hash_bits, bool check_range = true) {
-  TORCH_CHECK(q_codes.size(0) == k_codes.size(0) && k_codes.size(0) == v.size(0),
+  YOSO_CHECK(q_codes.size(0) == k_codes.size(0) && k_codes.size(0) == v.size(0),
               "batch*heads must match: q_codes (BH, m, Nq) ", q_codes.sizes(), ", k_codes (BH, m, Nk) ",
               k_codes.sizes(), ", v (BH, Nk, Dv) ", v.sizes());
-  TORCH_CHECK(q_codes.size(1) == k_codes.size(1), "number of hashes m must match: q_codes has ", q_codes.size(1),
+  YOSO_CHECK(q_codes.size(1) == k_codes.size(1), "number of hashes m must match: q_codes has ", q_codes.size(1),
               ", k_codes has ", k_codes.size(1));
-  TORCH_CHECK(q_codes.size(1) >= 1, "number of hashes m must be at least 1, got ", q_codes.size(1));
-  TORCH_CHECK(k_codes.size(2) == v.size(1), "Nk must match: k_codes (BH, m, Nk) ", k_codes.sizes(),
+  YOSO_CHECK(q_codes.size(1) >= 1, "number of hashes m must be at least 1, got ", q_codes.size(1));
+  YOSO_CHECK(k_codes.size(2) == v.size(1), "Nk must match: k_codes (BH, m, Nk) ", k_codes.sizes(),
               " vs v (BH, Nk, Dv) ", v.sizes());
-  TORCH_CHECK(k_codes.size(2) < (int64_t(1) << 31), "Nk must be below 2^31, got ", k_codes.size(2));
+  YOSO_CHECK(k_codes.size(2) < (int64_t(1) << 31), "Nk must be below 2^31, got ", k_codes.size(2));
   const int64_t buckets = int64_t(1) << hash_bits;
   if (!check_range) return buckets;
   check_codes_range(q_codes, "q_codes", buckets, hash_bits);
@@ -129,7 +163,7 @@ int64_t check_codes_against_values(const torch::Tensor& q_codes, const torch::Te
 
 yoso::CumulateParams check_common(const torch::Tensor& q_codes, const torch::Tensor& k_codes, const torch::Tensor& v,
                             int64_t hash_bits) {
-  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+  YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
               hash_bits);
   check_tensor(q_codes, "q_codes", at::kInt, 3);
   check_tensor(k_codes, "k_codes", at::kInt, 3);
@@ -152,36 +186,36 @@ yoso::CumulateParams check_common(const torch::Tensor& q_codes, const torch::Ten
 // ---- CUDA (yoso_cuda.cu): the same checks with CUDA devices, then the raw launchers ----
 
 void check_cuda_tensor(const torch::Tensor& t, const char* name, int64_t rank, const torch::Tensor& like) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.device() == like.device(), name, " must be on ", like.device(), " like the other inputs, got ",
+  YOSO_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
+  YOSO_CHECK(t.device() == like.device(), name, " must be on ", like.device(), " like the other inputs, got ",
               t.device());
-  TORCH_CHECK(t.dim() == rank, name, " must have rank ", rank, ", got shape ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  YOSO_CHECK(t.dim() == rank, name, " must have rank ", rank, ", got shape ", t.sizes());
+  YOSO_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
 YosoDtype cuda_float_dtype(const torch::Tensor& t, const char* name) {
   if (t.scalar_type() == at::kFloat) return YosoDtype::kFloat32;
   if (t.scalar_type() == at::kHalf) return YosoDtype::kFloat16;
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be float32, float16 or bfloat16, got ",
+  YOSO_CHECK(t.scalar_type() == at::kBFloat16, name, " must be float32, float16 or bfloat16, got ",
               c10::toString(t.scalar_type()));
   return YosoDtype::kBFloat16;
 }
 
-void check_cuda_call(const char* err) { TORCH_CHECK(err == nullptr, "YOSO CUDA kernel: ", err); }
+void check_cuda_call(const char* err) { YOSO_CHECK(err == nullptr, "YOSO CUDA kernel: ", err); }
 
 // check_codes=false skips the codes' range check, the one check that reads device memory
 // (codes.max().item() waits for the GPU and cannot be captured in a CUDA graph). The kernels
 // never index out of bounds either way: they treat a code >= 2^hash_bits like a masked one.
 YosoCumulateParams check_common_cuda(const torch::Tensor& q_codes, const torch::Tensor& k_codes,
                                      const torch::Tensor& v, int64_t hash_bits, bool check_codes) {
-  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+  YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
               hash_bits);
   check_cuda_tensor(v, "v", 3, v);
   check_cuda_tensor(q_codes, "q_codes", 3, v);
   check_cuda_tensor(k_codes, "k_codes", 3, v);
-  TORCH_CHECK(q_codes.scalar_type() == at::kInt, "q_codes must be int32, got ", c10::toString(q_codes.scalar_type()));
-  TORCH_CHECK(k_codes.scalar_type() == at::kInt, "k_codes must be int32, got ", c10::toString(k_codes.scalar_type()));
-  TORCH_CHECK(q_codes.size(2) < (int64_t(1) << 31), "Nq must be below 2^31, got ", q_codes.size(2));
+  YOSO_CHECK(q_codes.scalar_type() == at::kInt, "q_codes must be int32, got ", c10::toString(q_codes.scalar_type()));
+  YOSO_CHECK(k_codes.scalar_type() == at::kInt, "k_codes must be int32, got ", c10::toString(k_codes.scalar_type()));
+  YOSO_CHECK(q_codes.size(2) < (int64_t(1) << 31), "Nq must be below 2^31, got ", q_codes.size(2));
   check_codes_against_values(q_codes, k_codes, v, hash_bits, check_codes);
   YosoCumulateParams p{};
   p.q_codes = q_codes.data_ptr<int32_t>();
@@ -221,14 +255,14 @@ torch::Tensor lsh_weighted_cumulate_cuda(const torch::Tensor& q_codes, const tor
   YosoCumulateParams p = check_common_cuda(q_codes, k_codes, v, hash_bits, check_codes);
   check_cuda_tensor(q_w, "q_w", 3, v);
   check_cuda_tensor(k_w, "k_w", 3, v);
-  TORCH_CHECK(q_w.scalar_type() == v.scalar_type() && k_w.scalar_type() == v.scalar_type(),
+  YOSO_CHECK(q_w.scalar_type() == v.scalar_type() && k_w.scalar_type() == v.scalar_type(),
               "q_w, k_w and v must share one dtype, got ", c10::toString(q_w.scalar_type()), ", ",
               c10::toString(k_w.scalar_type()), ", ", c10::toString(v.scalar_type()));
-  TORCH_CHECK(q_w.size(0) == p.bh && q_w.size(1) == p.nq, "q_w must be (BH, Nq, Dw) = (", p.bh, ", ", p.nq,
+  YOSO_CHECK(q_w.size(0) == p.bh && q_w.size(1) == p.nq, "q_w must be (BH, Nq, Dw) = (", p.bh, ", ", p.nq,
               ", Dw), got ", q_w.sizes());
-  TORCH_CHECK(k_w.size(0) == p.bh && k_w.size(1) == p.nk, "k_w must be (BH, Nk, Dw) = (", p.bh, ", ", p.nk,
+  YOSO_CHECK(k_w.size(0) == p.bh && k_w.size(1) == p.nk, "k_w must be (BH, Nk, Dw) = (", p.bh, ", ", p.nk,
               ", Dw), got ", k_w.sizes());
-  TORCH_CHECK(q_w.size(2) == k_w.size(2), "Dw must match: q_w has ", q_w.size(2), ", k_w has ", k_w.size(2));
+  YOSO_CHECK(q_w.size(2) == k_w.size(2), "Dw must match: q_w has ", q_w.size(2), ", k_w has ", k_w.size(2));
   p.q_w = q_w.data_ptr();
   p.k_w = k_w.data_ptr();
   p.dw = q_w.size(2);
@@ -243,10 +277,10 @@ torch::Tensor lsh_weighted_cumulate_cuda(const torch::Tensor& q_codes, const tor
 torch::Tensor hash_pack_cuda(const torch::Tensor& proj, int64_t num_hashes, int64_t hash_bits) {
   const c10::cuda::CUDAGuard guard(proj.device());
   check_cuda_tensor(proj, "proj", 3, proj);
-  TORCH_CHECK(proj.scalar_type() == at::kFloat, "proj must be float32, got ", c10::toString(proj.scalar_type()));
-  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+  YOSO_CHECK(proj.scalar_type() == at::kFloat, "proj must be float32, got ", c10::toString(proj.scalar_type()));
+  YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
               hash_bits);
-  TORCH_CHECK(num_hashes >= 1 && proj.size(2) == num_hashes * hash_bits,
+  YOSO_CHECK(num_hashes >= 1 && proj.size(2) == num_hashes * hash_bits,
               "proj must be (BH, N, num_hashes*hash_bits) = (BH, N, ", num_hashes * hash_bits, "), got ",
               proj.sizes());
   torch::Tensor codes = torch::empty({proj.size(0), num_hashes, proj.size(1)}, proj.options().dtype(at::kInt));
@@ -259,18 +293,18 @@ torch::Tensor hash_rotate_cuda(const torch::Tensor& x, const torch::Tensor& sign
   const c10::cuda::CUDAGuard guard(x.device());
   check_cuda_tensor(x, "x", 3, x);
   check_cuda_tensor(signs, "signs", 4, x);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && signs.scalar_type() == at::kFloat,
+  YOSO_CHECK(x.scalar_type() == at::kFloat && signs.scalar_type() == at::kFloat,
               "x and signs must be float32, got ", c10::toString(x.scalar_type()), " and ",
               c10::toString(signs.scalar_type()));
-  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+  YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
               hash_bits);
-  TORCH_CHECK(signs.size(2) == 3, "signs must be (H, m, 3, P), got ", signs.sizes());
-  TORCH_CHECK(signs.size(0) >= 1 && x.size(0) % signs.size(0) == 0,
+  YOSO_CHECK(signs.size(2) == 3, "signs must be (H, m, 3, P), got ", signs.sizes());
+  YOSO_CHECK(signs.size(0) >= 1 && x.size(0) % signs.size(0) == 0,
               "x rows (BH) must be a multiple of the heads H in signs (H, m, 3, P): ", x.sizes(), " vs ",
               signs.sizes());
   const int64_t p = signs.size(3);
-  TORCH_CHECK(p <= kYosoMaxRotateDim, "padded dimension P must be at most ", kYosoMaxRotateDim, ", got ", p);
-  TORCH_CHECK((p & (p - 1)) == 0 && p >= x.size(2) && p >= hash_bits,
+  YOSO_CHECK(p <= kYosoMaxRotateDim, "padded dimension P must be at most ", kYosoMaxRotateDim, ", got ", p);
+  YOSO_CHECK((p & (p - 1)) == 0 && p >= x.size(2) && p >= hash_bits,
               "P must be a power of two >= max(D, hash_bits), got P=", p, " for D=", x.size(2));
   torch::Tensor codes = torch::empty({x.size(0), signs.size(1), x.size(1)}, x.options().dtype(at::kInt));
   check_cuda_call(yoso_hash_rotate(x.data_ptr<float>(), signs.data_ptr<float>(), codes.data_ptr<int32_t>(),
@@ -284,10 +318,10 @@ torch::Tensor fast_hash_codes_cuda(const torch::Tensor& x, const torch::Tensor& 
   const c10::cuda::CUDAGuard guard(x.device());
   check_cuda_tensor(x, "x", 4, x);
   check_cuda_tensor(proj, "proj", 3, x);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && proj.scalar_type() == at::kFloat, "x and proj must be float32, got ",
+  YOSO_CHECK(x.scalar_type() == at::kFloat && proj.scalar_type() == at::kFloat, "x and proj must be float32, got ",
               c10::toString(x.scalar_type()), " and ", c10::toString(proj.scalar_type()));
-  TORCH_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
-  TORCH_CHECK(proj.size(0) == x.size(1) && proj.size(1) == x.size(3) && proj.size(2) == num_hashes * hash_bits,
+  YOSO_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
+  YOSO_CHECK(proj.size(0) == x.size(1) && proj.size(1) == x.size(3) && proj.size(2) == num_hashes * hash_bits,
               "proj must be (H, D, num_hashes*hash_bits) = (", x.size(1), ", ", x.size(3), ", ", num_hashes * hash_bits,
               ") for x (B, H, N, D) ", x.sizes(), ", got ", proj.sizes());
   // One batched GEMM (cuBLAS) for every projection, then one kernel packs the sign bits.
@@ -306,7 +340,7 @@ torch::Tensor lsh_cumulate(const torch::Tensor& q_codes, const torch::Tensor& k_
   torch::Tensor out = torch::zeros({p.bh, p.nq, p.dv}, v.options());
   if (out.numel() == 0 || p.nk == 0) return out;
   p.out = out.data_ptr<float>();
-  yoso::lsh_cumulate(p, at::get_num_threads());
+  run_without_gil([&] { yoso::lsh_cumulate(p, at::get_num_threads()); });
   return out;
 }
 
@@ -319,33 +353,33 @@ torch::Tensor lsh_weighted_cumulate(const torch::Tensor& q_codes, const torch::T
   yoso::CumulateParams p = check_common(q_codes, k_codes, v, hash_bits);
   check_tensor(q_w, "q_w", at::kFloat, 3);
   check_tensor(k_w, "k_w", at::kFloat, 3);
-  TORCH_CHECK(q_w.size(0) == p.bh && q_w.size(1) == p.nq, "q_w must be (BH, Nq, Dw) = (", p.bh, ", ", p.nq,
+  YOSO_CHECK(q_w.size(0) == p.bh && q_w.size(1) == p.nq, "q_w must be (BH, Nq, Dw) = (", p.bh, ", ", p.nq,
               ", Dw), got ", q_w.sizes());
-  TORCH_CHECK(k_w.size(0) == p.bh && k_w.size(1) == p.nk, "k_w must be (BH, Nk, Dw) = (", p.bh, ", ", p.nk,
+  YOSO_CHECK(k_w.size(0) == p.bh && k_w.size(1) == p.nk, "k_w must be (BH, Nk, Dw) = (", p.bh, ", ", p.nk,
               ", Dw), got ", k_w.sizes());
-  TORCH_CHECK(q_w.size(2) == k_w.size(2), "Dw must match: q_w has ", q_w.size(2), ", k_w has ", k_w.size(2));
+  YOSO_CHECK(q_w.size(2) == k_w.size(2), "Dw must match: q_w has ", q_w.size(2), ", k_w has ", k_w.size(2));
   torch::Tensor out = torch::zeros({p.bh, p.nq, p.dv}, v.options());
   p.dw = q_w.size(2);
   if (out.numel() == 0 || p.nk == 0 || p.dw == 0) return out;
   p.q_w = q_w.data_ptr<float>();
   p.k_w = k_w.data_ptr<float>();
   p.out = out.data_ptr<float>();
-  yoso::lsh_weighted_cumulate(p, at::get_num_threads());
+  run_without_gil([&] { yoso::lsh_weighted_cumulate(p, at::get_num_threads()); });
   return out;
 }
 
 torch::Tensor fast_hash_codes(const torch::Tensor& x, const torch::Tensor& proj, int64_t num_hashes,
                               int64_t hash_bits, bool int8, const c10::optional<std::vector<torch::Tensor>>& packed) {
 #ifdef WITH_CUDA
-  TORCH_CHECK(!(int8 && x.is_cuda()), "int8 hashing of CUDA tensors runs in PyTorch (kernels/hashing.py)");
+  YOSO_CHECK(!(int8 && x.is_cuda()), "int8 hashing of CUDA tensors runs in PyTorch (kernels/hashing.py)");
   if (x.is_cuda()) return fast_hash_codes_cuda(x, proj, num_hashes, hash_bits);
 #endif
-  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+  YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
               hash_bits);
-  TORCH_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
+  YOSO_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
   check_tensor(x, "x", at::kFloat, 4);
   check_tensor(proj, "proj", at::kFloat, 3);
-  TORCH_CHECK(proj.size(0) == x.size(1) && proj.size(1) == x.size(3) && proj.size(2) == num_hashes * hash_bits,
+  YOSO_CHECK(proj.size(0) == x.size(1) && proj.size(1) == x.size(3) && proj.size(2) == num_hashes * hash_bits,
               "proj must be (H, D, num_hashes*hash_bits) = (", x.size(1), ", ", x.size(3), ", ", num_hashes * hash_bits,
               ") for x (B, H, N, D) ", x.sizes(), ", got ", proj.sizes());
   const std::vector<torch::Tensor> planes = int8 ? int8_packed(proj, packed) : std::vector<torch::Tensor>{};
@@ -367,7 +401,7 @@ torch::Tensor fast_hash_codes(const torch::Tensor& x, const torch::Tensor& proj,
   p.d = x.size(3);
   p.m = num_hashes;
   p.hash_bits = int(hash_bits);
-  yoso::hash_codes(p, at::get_num_threads());
+  run_without_gil([&] { yoso::hash_codes(p, at::get_num_threads()); });
   return codes;
 }
 
@@ -378,12 +412,10 @@ int openmp_max_threads() { return at::get_num_threads(); }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "YOSO LSH cumulation and hash codes on CPU (OpenMP)";
   m.def("lsh_cumulate", &lsh_cumulate, "(q_codes, k_codes, v, hash_bits) -> (BH, Nq, Dv) fp32",
-        py::arg("q_codes"), py::arg("k_codes"), py::arg("v"), py::arg("hash_bits"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("q_codes"), py::arg("k_codes"), py::arg("v"), py::arg("hash_bits"));
   m.def("lsh_weighted_cumulate", &lsh_weighted_cumulate,
         "(q_codes, k_codes, q_w, k_w, v, hash_bits) -> (BH, Nq, Dv) fp32", py::arg("q_codes"), py::arg("k_codes"),
-        py::arg("q_w"), py::arg("k_w"), py::arg("v"), py::arg("hash_bits"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("q_w"), py::arg("k_w"), py::arg("v"), py::arg("hash_bits"));
   m.def("pack_int8_planes", &pack_int8_planes,
         "(proj (H, D, m*tau) fp32 integers in [-127, 127]) -> [w8 int8, offset int32]: validated and packed for the "
         "int8 hashing body (empty where it reads proj itself); pass as packed= to skip this per call",
@@ -393,24 +425,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "codes (int8: proj holds the quantized planes and rows are hashed quantized; packed: pack_int8_planes(proj), "
         "else packed per call)",
         py::arg("x"), py::arg("proj"), py::arg("num_hashes"), py::arg("hash_bits"), py::arg("int8") = false,
-        py::arg("packed") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("packed") = py::none());
 #ifdef WITH_CUDA
   m.def("lsh_cumulate_cuda", &lsh_cumulate_cuda,
         "(q_codes, k_codes, v, hash_bits, deterministic=False, check_codes=True) -> (BH, Nq, Dv) fp32 on v's "
         "CUDA device; check_codes=False: no host sync (codes >= 2^hash_bits then count as masked)",
         py::arg("q_codes"), py::arg("k_codes"), py::arg("v"), py::arg("hash_bits"), py::arg("deterministic") = false,
-        py::arg("check_codes") = true, py::call_guard<py::gil_scoped_release>());
+        py::arg("check_codes") = true);
   m.def("lsh_weighted_cumulate_cuda", &lsh_weighted_cumulate_cuda,
         "(q_codes, k_codes, q_w, k_w, v, hash_bits, check_codes=True) -> (BH, Nq, Dv) fp32 on v's CUDA device "
         "(deterministic); check_codes=False: no host sync",
         py::arg("q_codes"), py::arg("k_codes"), py::arg("q_w"), py::arg("k_w"), py::arg("v"), py::arg("hash_bits"),
-        py::arg("check_codes") = true, py::call_guard<py::gil_scoped_release>());
+        py::arg("check_codes") = true);
   m.def("hash_pack_cuda", &hash_pack_cuda, "(proj (BH, N, m*tau) fp32, num_hashes, hash_bits) -> (BH, m, N) int32",
-        py::arg("proj"), py::arg("num_hashes"), py::arg("hash_bits"), py::call_guard<py::gil_scoped_release>());
+        py::arg("proj"), py::arg("num_hashes"), py::arg("hash_bits"));
   m.def("hash_rotate_cuda", &hash_rotate_cuda,
         "(x (BH, N, D) fp32, signs (H, m, 3, P) fp32, hash_bits) -> (BH, m, N) int32",
-        py::arg("x"), py::arg("signs"), py::arg("hash_bits"), py::call_guard<py::gil_scoped_release>());
+        py::arg("x"), py::arg("signs"), py::arg("hash_bits"));
 #endif
   register_fused_ops(m);   // yoso_cpu_fused.cpp
   register_finish_ops(m);  // yoso_cpu_finish.cpp

@@ -17,12 +17,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <vector>
+
+#include "yoso_check.h"
 
 // Defined in yoso_cpu.cpp: device, dtype, rank and contiguity (or, for a view, unit stride along D),
 // with messages that name the limit.
 void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank);
 void check_view(const torch::Tensor& t, const char* name);
+void run_without_gil(const std::function<void()>& kernel);  // yoso_cpu.cpp
 
 namespace {
 
@@ -93,22 +97,22 @@ void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::opti
                       const c10::optional<torch::Tensor>& keep, bool normalize, double eps) {
   check_view(out, "out");
   check_view(v, "v");
-  TORCH_CHECK(v.sizes() == out.sizes(), "v must have out's shape (B, H, N, D) ", out.sizes(), ", got ", v.sizes());
-  TORCH_CHECK(eps > 0, "eps must be positive, got ", eps);
+  YOSO_CHECK(v.sizes() == out.sizes(), "v must have out's shape (B, H, N, D) ", out.sizes(), ", got ", v.sizes());
+  YOSO_CHECK(eps > 0, "eps must be positive, got ", eps);
   const int64_t batch = out.size(0), heads = out.size(1), n = out.size(2), d = out.size(3);
   int64_t window = 0;
   const float* w = nullptr;
   if (weight.has_value()) {
     check_tensor(*weight, "weight", at::kFloat, 2);
-    TORCH_CHECK(weight->size(0) == heads, "weight must be (H, W) with H = ", heads, ", got ", weight->sizes());
+    YOSO_CHECK(weight->size(0) == heads, "weight must be (H, W) with H = ", heads, ", got ", weight->sizes());
     window = weight->size(1);
-    TORCH_CHECK(window % 2 == 1, "the convolution window must be odd, got ", window);
+    YOSO_CHECK(window % 2 == 1, "the convolution window must be odd, got ", window);
     w = weight->data_ptr<float>();
   }
   const uint8_t* kp = nullptr;
   if (keep.has_value()) {
     check_tensor(*keep, "keep", at::kBool, 2);
-    TORCH_CHECK(keep->size(0) == batch && keep->size(1) == n, "keep must be (B, N) = (", batch, ", ", n, "), got ",
+    YOSO_CHECK(keep->size(0) == batch && keep->size(1) == n, "keep must be (B, N) = (", batch, ", ", n, "), got ",
                 keep->sizes());
     kp = reinterpret_cast<const uint8_t*>(keep->data_ptr<bool>());
   }
@@ -120,14 +124,16 @@ void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::opti
   const int64_t blocks = (n + kRowsPerTask - 1) / kRowsPerTask;
   const float feps = float(eps);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (kRowsPerTask * d * (window + 2)));
-  at::parallel_for(0, batch * heads * blocks, grain, [&](int64_t first, int64_t last) {
-    std::vector<float> acc(d);
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t bh = task / blocks, b = bh / heads, h = bh % heads, i0 = (task % blocks) * kRowsPerTask;
-      Rows rows{o + b * os[0] + h * os[1], os[2], vp + b * vs[0] + h * vs[1], vs[2], kp ? kp + b * n : nullptr,
-                w ? w + h * window : nullptr, window, n, d};
-      finish_rows(rows, i0, std::min(n, i0 + kRowsPerTask), normalize, feps, acc.data());
-    }
+  run_without_gil([&] {
+    at::parallel_for(0, batch * heads * blocks, grain, [&](int64_t first, int64_t last) {
+      std::vector<float> acc(d);
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t bh = task / blocks, b = bh / heads, h = bh % heads, i0 = (task % blocks) * kRowsPerTask;
+        Rows rows{o + b * os[0] + h * os[1], os[2], vp + b * vs[0] + h * vs[1], vs[2], kp ? kp + b * n : nullptr,
+                  w ? w + h * window : nullptr, window, n, d};
+        finish_rows(rows, i0, std::min(n, i0 + kRowsPerTask), normalize, feps, acc.data());
+      }
+    });
   });
 }
 
@@ -137,6 +143,5 @@ void register_finish_ops(pybind11::module_& m) {
   m.def("attention_finish", &attention_finish,
         "(out, v (B, H, N, D) fp32 views, weight (H, W) fp32 or None, keep (B, N) bool or None, normalize, eps) "
         "-> None: out rows l2-normalised (N-YOSO) then the masked values' depthwise convolution added (YOSO-C)",
-        py::arg("out"), py::arg("v"), py::arg("weight"), py::arg("keep"), py::arg("normalize"), py::arg("eps"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("out"), py::arg("v"), py::arg("weight"), py::arg("keep"), py::arg("normalize"), py::arg("eps"));
 }

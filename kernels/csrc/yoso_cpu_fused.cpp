@@ -8,15 +8,17 @@
 //   simd_level()                                                     -> "avx2" | "portable"
 //   int8_level()                                    -> "avx512-vnni" | "avx2" | "portable" (int8 hashing)
 //
-// Every check names the limit it enforces (TORCH_CHECK -> RuntimeError in Python).
+// Every check names the limit it enforces (YOSO_CHECK, yoso_check.h -> RuntimeError in Python).
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
+#include <functional>
 #include <utility>
 #include <vector>
 
+#include "yoso_check.h"
 #include "yoso_cpu.h"
 #include "yoso_cpu_simd.h"
 
@@ -24,6 +26,7 @@
 // with messages that name the limit.
 void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank);
 void check_view(const torch::Tensor& t, const char* name);
+void run_without_gil(const std::function<void()>& kernel);  // yoso_cpu.cpp
 std::vector<torch::Tensor> int8_packed(const torch::Tensor& proj,
                                        const c10::optional<std::vector<torch::Tensor>>& packed);
 
@@ -39,13 +42,13 @@ std::pair<yoso::AttentionParams, torch::Tensor> attention_params(const torch::Te
   check_view(q, "q");
   check_view(k, "k");
   check_view(v, "v");
-  TORCH_CHECK(k.sizes() == q.sizes(), "k must have q's shape (B, H, N, D) ", q.sizes(), ", got ", k.sizes());
-  TORCH_CHECK(v.sizes().slice(0, 3) == q.sizes().slice(0, 3), "v must be (B, H, N, Dv) with q's B, H, N ",
+  YOSO_CHECK(k.sizes() == q.sizes(), "k must have q's shape (B, H, N, D) ", q.sizes(), ", got ", k.sizes());
+  YOSO_CHECK(v.sizes().slice(0, 3) == q.sizes().slice(0, 3), "v must be (B, H, N, Dv) with q's B, H, N ",
               q.sizes(), ", got ", v.sizes());
-  TORCH_CHECK(q.size(2) < (int64_t(1) << 31), "N must be below 2^31, got ", q.size(2));
+  YOSO_CHECK(q.size(2) < (int64_t(1) << 31), "N must be below 2^31, got ", q.size(2));
   if (keep.has_value()) {
     check_tensor(*keep, "keep", at::kBool, 2);
-    TORCH_CHECK(keep->size(0) == q.size(0) && keep->size(1) == q.size(2), "keep must be (B, N) = (", q.size(0),
+    YOSO_CHECK(keep->size(0) == q.size(0) && keep->size(1) == q.size(2), "keep must be (B, N) = (", q.size(0),
                 ", ", q.size(2), "), got ", keep->sizes());
   }
   torch::Tensor out = torch::zeros({v.size(0), v.size(2), v.size(1), v.size(3)}, v.options()).transpose(1, 2);
@@ -72,12 +75,12 @@ std::pair<yoso::AttentionParams, torch::Tensor> attention_params(const torch::Te
 torch::Tensor lsh_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                             const torch::Tensor& proj, const c10::optional<torch::Tensor>& keep, int64_t num_hashes,
                             int64_t hash_bits, bool int8, const c10::optional<std::vector<torch::Tensor>>& packed) {
-  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+  YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
               hash_bits);
-  TORCH_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
+  YOSO_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
   check_tensor(proj, "proj", at::kFloat, 3);
   auto [p, out] = attention_params(q, k, v, keep);
-  TORCH_CHECK(proj.size(0) == q.size(1) && proj.size(1) == q.size(3) && proj.size(2) == num_hashes * hash_bits,
+  YOSO_CHECK(proj.size(0) == q.size(1) && proj.size(1) == q.size(3) && proj.size(2) == num_hashes * hash_bits,
               "proj must be (H, D, num_hashes*hash_bits) = (", q.size(1), ", ", q.size(3), ", ",
               num_hashes * hash_bits, "), got ", proj.sizes());
   const std::vector<torch::Tensor> planes = int8 ? int8_packed(proj, packed) : std::vector<torch::Tensor>{};
@@ -90,33 +93,33 @@ torch::Tensor lsh_attention(const torch::Tensor& q, const torch::Tensor& k, cons
   }
   p.m = num_hashes;
   p.hash_bits = int(hash_bits);
-  yoso::lsh_attention(p, at::get_num_threads());
+  run_without_gil([&] { yoso::lsh_attention(p, at::get_num_threads()); });
   return out;
 }
 
 torch::Tensor exact_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const c10::optional<torch::Tensor>& keep, int64_t hash_bits) {
-  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+  YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
               hash_bits);
   auto [p, out] = attention_params(q, k, v, keep);
   if (out.numel() == 0) return out;
   p.hash_bits = int(hash_bits);
-  yoso::exact_attention(p, at::get_num_threads());
+  run_without_gil([&] { yoso::exact_attention(p, at::get_num_threads()); });
   return out;
 }
 
 yoso::ExactParams check_exact(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const torch::Tensor& keep, int64_t hash_bits) {
-  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+  YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
               hash_bits);
   check_tensor(q, "q", at::kFloat, 3);
   check_tensor(k, "k", at::kFloat, 3);
   check_tensor(v, "v", at::kFloat, 3);
   check_tensor(keep, "keep", at::kFloat, 2);
-  TORCH_CHECK(k.sizes() == q.sizes(), "k must have q's shape (BH, N, D) ", q.sizes(), ", got ", k.sizes());
-  TORCH_CHECK(v.size(0) == q.size(0) && v.size(1) == q.size(1), "v must be (BH, N, Dv) = (", q.size(0), ", ",
+  YOSO_CHECK(k.sizes() == q.sizes(), "k must have q's shape (BH, N, D) ", q.sizes(), ", got ", k.sizes());
+  YOSO_CHECK(v.size(0) == q.size(0) && v.size(1) == q.size(1), "v must be (BH, N, Dv) = (", q.size(0), ", ",
               q.size(1), ", Dv), got ", v.sizes());
-  TORCH_CHECK(keep.size(0) == q.size(0) && keep.size(1) == q.size(1), "keep must be (BH, N) = (", q.size(0), ", ",
+  YOSO_CHECK(keep.size(0) == q.size(0) && keep.size(1) == q.size(1), "keep must be (BH, N) = (", q.size(0), ", ",
               q.size(1), "), got ", keep.sizes());
   yoso::ExactParams p{};
   p.q = q.data_ptr<float>();
@@ -141,7 +144,7 @@ torch::Tensor exact_forward(const torch::Tensor& q, const torch::Tensor& k, cons
   torch::Tensor out = torch::zeros(v.sizes(), v.options());
   if (out.numel() == 0) return out;
   p.out = out.data_ptr<float>();
-  yoso::exact_forward(p, at::get_num_threads());
+  run_without_gil([&] { yoso::exact_forward(p, at::get_num_threads()); });
   return out;
 }
 
@@ -150,8 +153,8 @@ std::vector<torch::Tensor> exact_backward(const torch::Tensor& q, const torch::T
                                           bool true_grad, double min_sine) {
   yoso::ExactParams p = check_exact(q, k, v, keep, hash_bits);
   check_tensor(grad, "grad", at::kFloat, 3);
-  TORCH_CHECK(grad.sizes() == v.sizes(), "grad must have v's shape (BH, N, Dv) ", v.sizes(), ", got ", grad.sizes());
-  TORCH_CHECK(min_sine > 0 && min_sine <= 1, "min_sine must be in (0, 1], got ", min_sine);
+  YOSO_CHECK(grad.sizes() == v.sizes(), "grad must have v's shape (BH, N, Dv) ", v.sizes(), ", got ", grad.sizes());
+  YOSO_CHECK(min_sine > 0 && min_sine <= 1, "min_sine must be in (0, 1], got ", min_sine);
   std::vector<torch::Tensor> grads = {torch::zeros_like(q), torch::zeros_like(k), torch::zeros_like(v)};
   if (q.numel() == 0 || v.numel() == 0) return grads;
   p.grad = grad.data_ptr<float>();
@@ -160,14 +163,14 @@ std::vector<torch::Tensor> exact_backward(const torch::Tensor& q, const torch::T
   p.grad_v = grads[2].data_ptr<float>();
   p.true_grad = true_grad;
   p.min_sine = float(min_sine);
-  yoso::exact_backward(p, at::get_num_threads());
+  run_without_gil([&] { yoso::exact_backward(p, at::get_num_threads()); });
   return grads;
 }
 
 torch::Tensor collision_probability(const torch::Tensor& cosines, int64_t hash_bits) {
-  TORCH_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+  YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
               hash_bits);
-  TORCH_CHECK(cosines.device().is_cpu() && cosines.scalar_type() == at::kFloat && cosines.is_contiguous(),
+  YOSO_CHECK(cosines.device().is_cpu() && cosines.scalar_type() == at::kFloat && cosines.is_contiguous(),
               "cosines must be a contiguous float32 CPU tensor");
   torch::Tensor out = cosines.clone();
   yoso::simd::collision_weights(out.data_ptr<float>(), nullptr, nullptr, out.numel(), int(hash_bits), false, 0.f);
@@ -182,20 +185,17 @@ void register_fused_ops(pybind11::module_& m) {
         "hash_bits, int8=False) -> (B, H, N, Dv) fp32 view of (B, N, H, Dv) memory: hashing and cumulation fused "
         "(int8: proj holds the quantized planes and rows are hashed quantized)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("proj"), py::arg("keep"), py::arg("num_hashes"),
-        py::arg("hash_bits"), py::arg("int8") = false, py::arg("packed") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("hash_bits"), py::arg("int8") = false, py::arg("packed") = py::none());
   m.def("exact_attention", &exact_attention,
         "(q, k (B, H, N, D) raw, v (B, H, N, Dv) fp32 views, keep (B, N) bool or None, hash_bits) -> (B, H, N, Dv) "
         "fp32 view of (B, N, H, Dv) memory: YOSO-E for inference, rows normalised inside",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("keep"), py::arg("hash_bits"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("keep"), py::arg("hash_bits"));
   m.def("exact_forward", &exact_forward, "(q, k (BH, N, D) unit, v (BH, N, Dv), keep (BH, N), hash_bits) -> out",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("keep"), py::arg("hash_bits"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("keep"), py::arg("hash_bits"));
   m.def("exact_backward", &exact_backward,
         "(q, k, v, keep, grad, hash_bits, true_grad, min_sine) -> [grad_q, grad_k, grad_v]", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("keep"), py::arg("grad"), py::arg("hash_bits"), py::arg("true_grad"),
-        py::arg("min_sine"), py::call_guard<py::gil_scoped_release>());
+        py::arg("min_sine"));
   m.def("collision_probability", &collision_probability,
         "(cosines fp32, hash_bits) -> (1 - arccos(clamp(c))/pi)^tau, the exact kernels' vectorised formula",
         py::arg("cosines"), py::arg("hash_bits"));

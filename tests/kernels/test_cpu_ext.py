@@ -11,6 +11,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -176,6 +178,39 @@ def test_bad_input_raises_naming_the_limit(ext, mutate, message):
     k_w = torch.zeros(k_codes.shape[0], k_codes.shape[-1], 3)
     with pytest.raises(RuntimeError, match=re.escape(message)):
         ext.lsh_weighted_cumulate(q_codes, k_codes, q_w, k_w, v, bits)
+
+
+def test_kernels_run_without_the_gil_and_checks_raise_with_it(ext):
+    """The bindings validate and raise holding the GIL and give it up around the kernel itself:
+    another Python thread keeps running while one long cumulation does, and a bad code still
+    raises RuntimeError with the limit in its message (a number, formatted by yoso_check.h)."""
+    gen = torch.Generator().manual_seed(5)
+    q_codes, k_codes = random_codes(gen, 24, 32, 6000, 8, 0.0), random_codes(gen, 24, 32, 6000, 8, 0.0)
+    v = torch.randn(24, 6000, 64, generator=gen)
+    span, ticks = [], []
+
+    def call():
+        start = time.perf_counter()
+        ext.lsh_cumulate(q_codes, k_codes, v, 8)
+        span.extend([start, time.perf_counter()])
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        worker = threading.Thread(target=call)
+        worker.start()
+        while worker.is_alive():
+            ticks.append(time.perf_counter())
+            time.sleep(0)
+        worker.join()
+    finally:
+        sys.setswitchinterval(switch)
+    start, end = span
+    assert end - start > 0.05, "the cumulation should last long enough to observe"
+    inside = [t for t in ticks if start + 0.2 * (end - start) < t < end - 0.2 * (end - start)]
+    assert inside, f"no Python thread ran during the {1e3 * (end - start):.0f} ms kernel: it held the GIL"
+    with pytest.raises(RuntimeError, match="allows codes below 2\\^hash_bits = 256"):
+        ext.lsh_cumulate(q_codes + 256, k_codes, v, 8)
 
 
 @pytest.mark.parametrize("fast_hash", [True, False])
