@@ -7,7 +7,6 @@ export is written once (:func:`cached_export`) and reused by every later start, 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -23,6 +22,7 @@ from .default import cache_root
 from .encoder_model import EncoderModel
 from .export import DEFAULT_OPSET, ONNX_FILE, export_onnx
 from .onnx_runtime import OnnxModelError
+from .version import package_version
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def export_key(checkpoint: str | Path, hashes: int, opset: int = DEFAULT_OPSET) 
         with open(path, "rb") as f:
             while chunk := f.read(_READ_CHUNK):
                 digest.update(chunk)
-    version = importlib.metadata.version("yoso-serve")
+    version = package_version()
     digest.update(f"hashes={hashes};opset={opset};yoso-serve={version};torch={torch.__version__}".encode())
     return digest.hexdigest()[:32]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib.metadata
 import logging
 import re
 from contextlib import asynccontextmanager
@@ -14,6 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from yoso_serve.model.version import package_version
 
 from .engine import Engine
 from .errors import InvalidInput, MalformedRequest, MethodNotAllowed, NotFound, NotReady, ServiceError, empty_body
@@ -31,7 +32,7 @@ from .tei import add_tei_routes
 log = logging.getLogger("yoso_serve.service")
 
 # the installed distribution's, so /info, OpenAPI and the package never disagree
-VERSION = importlib.metadata.version("yoso-serve")
+VERSION = package_version()
 
 
 def _default_loader(settings: ServeSettings) -> tuple[Callable, str]:

@@ -78,3 +78,30 @@ def test_installed_package_adds_only_yoso_serve():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert "site-packages" in got["kernels"]
     assert got["service"] and got["model"]
+
+
+
+def test_the_tree_run_uninstalled_reports_pyprojects_version(monkeypatch):
+    """The GPU image runs this tree from PYTHONPATH (bench/gpu_run.sh links it as yoso_serve), with
+    no yoso-serve distribution: the service failed to import there on the missing metadata. The
+    version then comes from pyproject.toml, the same string the installed package reports."""
+    import importlib.metadata
+    import tomllib
+
+    from yoso_serve.model import version as version_module
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert importlib.metadata.version("yoso-serve") == declared
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    version_module.package_version.cache_clear()
+    try:
+        assert version_module.package_version() == declared
+        monkeypatch.setattr(version_module, "PYPROJECT", ROOT / "no-such-pyproject.toml")
+        version_module.package_version.cache_clear()
+        assert version_module.package_version() == "0+unknown"
+    finally:
+        version_module.package_version.cache_clear()
