@@ -9,13 +9,16 @@
 # The device tool copies the working tree (the 48 MB bundled model included) and allows 600 s
 # per command, so every step runs under its own limit (sum 560 s) and a step that fails or
 # runs out of time is reported, never fatal. The GPU image has torch 2.11 and no fastapi,
-# uvicorn or pydantic, and no network: `--fetch-wheels` puts those (about 4 MB) in .whl/, which
+# uvicorn, pydantic or opentelemetry-api (fastapi needs it), a typing-extensions too old for
+# pydantic, and no network: `--fetch-wheels` puts those (about 3 MB) in .whl/, which
 # .git/info/exclude must ignore and the call must carry; without them the serve step is skipped.
 #
 # Steps: build   the CUDA extension for this GPU only, and backend_info()
-#        tests   tests/kernels/test_cuda*.py (its own compute-sanitizer memcheck/racecheck cases too)
+#        tests   tests/kernels/test_cuda.py (its own compute-sanitizer memcheck/racecheck cases too)
+#                and the fp16 YOSO core test of tests/zoo/test_cores.py
 #        sanitize compute-sanitizer memcheck over test_cuda.py's oracle cases (whole pytest run)
-#        attention bench/attention_cuda.py: YOSO-32 (atomic and deterministic) vs SDPA flash
+#        attention bench/attention_cuda.py: YOSO-32 (atomic and deterministic) vs SDPA flash,
+#                and where YOSO-32's kernel time goes at 8192 and 65536 tokens
 #        model   the default model's docs/s at 4096 tokens in fp16: YOSO-32 vs the same weights
 #                with softmax (SDPA) attention
 #        serve   yoso-serve on CUDA, 128-token inputs over loopback HTTP: batching vs
@@ -34,8 +37,8 @@ for s in "${!LIMIT[@]}"; do
   [ -z "${!v:-}" ] || LIMIT[$s]=${!v}
 done
 # What the GPU image lacks for the service (KINDS.md lists what it has).
-WHEELS=(fastapi starlette pydantic pydantic-core pydantic-settings python-dotenv annotated-types
-        typing-inspection uvicorn)
+WHEELS=(fastapi starlette pydantic pydantic-core pydantic-settings python-dotenv annotated-types annotated-doc
+        typing-inspection typing-extensions opentelemetry-api uvicorn)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64)
 
 usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -65,8 +68,16 @@ if [ "$FETCH" = 1 ]; then
   # Pinned to the versions this checkout's venv resolved, so the GPU run serves what CI tests.
   PIP=("${PYTHON:-$ROOT/.venv/bin/python}" -m pip)
   plat=(); for p in "${PLATFORMS[@]}"; do plat+=(--platform "$p"); done
+  # the installed versions in one interpreter start (a `pip show` per name took over a minute)
+  shown=$("${PIP[0]}" -c 'import sys
+from importlib.metadata import PackageNotFoundError, version
+for name in sys.argv[1:]:
+    try:
+        print(name, version(name))
+    except PackageNotFoundError:
+        pass' "${WHEELS[@]}")
   for name in "${WHEELS[@]}"; do
-    version=$("${PIP[@]}" show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+    version=$(awk -v n="$name" '$1 == n {print $2}' <<<"$shown")
     spec=$name${version:+==$version}
     cmd=("${PIP[@]}" download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
          "${plat[@]}" -d "$ROOT/.whl" "$spec")
@@ -172,9 +183,9 @@ SUMMARY=/tmp/gpu_run_summary.tsv  # not under $OUT: the device tool brings back 
 step_cmd() {  # the shell command of one step (run from $ROOT with the environment set below)
   case "$1" in
     build) echo "\$PY -c 'import json; from yoso_serve.kernels import _build; i = _build.backend_info(); print(json.dumps(i)); raise SystemExit(i[\"backend\"] != \"cuda\")'" ;;
-    tests) echo "\$PY -m pytest -q tests/kernels/test_cuda.py" ;;
+    tests) echo "\$PY -m pytest -q tests/kernels/test_cuda.py tests/zoo/test_cores.py::test_yoso_core_in_fp16_normalises_before_the_sum_can_overflow" ;;
     sanitize) echo "\$SANITIZER --tool=memcheck --error-exitcode=3 \$PY -m pytest -q -x tests/kernels/test_cuda.py -k 'equals_torch_op or batch_invariance or out_of_range'" ;;
-    attention) echo "\$PY bench/attention_cuda.py --lengths 1024 8192 32768 65536 --hashes 32 --repeats 5 --plot \$OUTDIR/attention_cuda.png" ;;
+    attention) echo "\$PY bench/attention_cuda.py --lengths 1024 8192 32768 65536 --hashes 32 --repeats 5 --plot \$OUTDIR/attention_cuda.png --profile 8192 65536" ;;
     model) echo "\$PY -c \"\$MODEL_PY\"" ;;
     serve) echo "\$LOADPY bench/load.py --concurrency 32 --lengths 128 --requests 512 --seconds 12" ;;
     onnx) echo "\$PY -c \"\$ONNX_PY\"" ;;
@@ -213,16 +224,18 @@ export TORCH_CUDA_ARCH_LIST
 SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 # bench/load.py starts the `yoso-serve` beside its interpreter; the image has no such script.
 LOADPY=$PY
-if "$PY" -c 'import fastapi, uvicorn, pydantic_settings' 2>/dev/null; then
+SERVE_WHY="no fastapi/uvicorn/pydantic-settings: run --fetch-wheels here, carry .whl"
+if why=$("$PY" -c 'import fastapi, uvicorn, pydantic_settings' 2>&1); then
   exe=$("$PY" -c 'import sys; print(sys.executable)')
   shim=$(dirname "$exe")/yoso-serve
   if [ ! -x "$shim" ]; then
     printf '#!/bin/sh\nexec "%s" -c "from yoso_serve.service.cli import main; main()" "$@"\n' "$exe" >"$shim" 2>/dev/null &&
       chmod +x "$shim" 2>/dev/null
   fi
-  [ -x "$shim" ] || LOADPY=
+  [ -x "$shim" ] || { LOADPY=; SERVE_WHY="cannot write the yoso-serve shim beside $exe"; }
 else
   LOADPY=
+  SERVE_WHY="$SERVE_WHY ($(printf '%s' "$why" | tail -n 1))"
 fi
 export PY SANITIZER LOADPY OUTDIR
 cd "$ROOT" || exit 1
@@ -243,7 +256,7 @@ for s in "${STEPS[@]}"; do
   log=$OUTDIR/$s.log
   start=$SECONDS
   if [ "$s" = serve ] && [ -z "$LOADPY" ]; then
-    printf '%s\tskipped\t0\t%s\n' "$s" "no fastapi/uvicorn/pydantic-settings: run --fetch-wheels here, carry .whl" >>"$SUMMARY"
+    printf '%s\tskipped\t0\t%s\n' "$s" "$SERVE_WHY" >>"$SUMMARY"
     continue
   fi
   echo "== $s (limit ${LIMIT[$s]} s): $(step_cmd "$s")"

@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,8 +94,9 @@ READY_TIMEOUT_S = 600.0
 
 def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    errors = tempfile.TemporaryFile()  # the server's stderr: its last lines explain an early exit
     proc = subprocess.Popen([str(SCRIPT), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-                             *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             *flags], stdout=subprocess.DEVNULL, stderr=errors)
     url = f"http://127.0.0.1:{port}"
     # /ready answers 503 while the model loads (the first start also builds the C++ extension, a
     # minute or two): poll until 200, the process exits, or READY_TIMEOUT_S passes. Killing a
@@ -103,7 +105,10 @@ def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
     last = "no answer"
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
+            errors.seek(0)
+            tail = errors.read().decode(errors="replace").strip().splitlines()[-15:]
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready; its stderr ends:\n"
+                               + "\n".join(tail))
         try:
             status = httpx.get(f"{url}/ready", timeout=1).status_code
             if status == 200:

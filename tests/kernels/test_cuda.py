@@ -14,6 +14,7 @@ yoso_attention(backend="cuda") in fp32/fp16/bf16, and compute-sanitizer on a sma
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -332,4 +333,7 @@ def test_compute_sanitizer_clean(ext, tool):
     cmd = [sanitizer, f"--tool={tool}", "--error-exitcode=3", sys.executable, "-c", SANITIZED]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert "ERROR SUMMARY: 0 errors" in result.stdout + result.stderr
+    # memcheck ends "ERROR SUMMARY: 0 errors", racecheck "RACECHECK SUMMARY: 0 hazards displayed (0 errors, ..."
+    # (seen on an H100 with CUDA 13.0's compute-sanitizer)
+    assert re.search(r"ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards displayed \(0 errors",
+                     result.stdout + result.stderr), result.stdout[-2000:]

@@ -55,10 +55,15 @@ def test_fetch_wheels_dry_run_pins_this_venvs_versions_for_the_gpu_image():
     done = run("--fetch-wheels", "--dry-run", env={"PYTHON": sys.executable})
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert len(lines) == 9 and all("--python-version 3.12" in line and "--no-deps" in line for line in lines)
+    assert len(lines) == 12 and all("--python-version 3.12" in line and "--no-deps" in line for line in lines)
     import fastapi
+    import typing_extensions  # noqa: F401
 
     assert any(line.endswith(f"fastapi=={fastapi.__version__}") for line in lines)
+    # fastapi needs these and the GPU image lacks them, or holds a version too old for pydantic:
+    # without them the second GPU run's serve step could not import fastapi
+    for name in ("opentelemetry-api", "typing-extensions", "annotated-doc"):
+        assert any(f" {name}==" in line for line in lines), name
 
 
 def test_without_a_gpu_it_stops_with_one_line():
