@@ -1,10 +1,11 @@
 // YOSO_CHECK: TORCH_CHECK with the message built here, numbers and shapes formatted by
-// std::to_string / snprintf, so that it reaches c10 as one string and no number passes through
-// std::ostream inside this extension. On the GPU image (g++ 13.3, torch 2.11+cu130, Python 3.12)
-// a TORCH_CHECK that streamed an int64 crashed the process in ostream::_M_insert<long> instead
-// of raising RuntimeError (issue 18's GPU runs; string-only messages raised fine). The pieces'
-// members are defined in yoso_cpu.cpp: torch's JIT build does not watch headers, so what this
-// header declares stays declarations and one forwarding template.
+// std::to_string / snprintf, so that it reaches c10 as one string and none of our messages streams
+// a number through std::ostream (torch's own checks inlined from its headers still do; ours run
+// first, so those are not reached from Python). On the GPU image (g++ 13.3, torch 2.11+cu130,
+// Python 3.12) a TORCH_CHECK that streamed an int64 crashed the process in ostream::_M_insert<long>
+// instead of raising RuntimeError (issue 18's GPU runs; string-only messages raised fine). The
+// pieces' members are defined in yoso_cpu.cpp: torch's JIT build does not watch headers, so what
+// this header declares stays declarations and one forwarding template.
 #pragma once
 
 #include <c10/core/Device.h>
