@@ -5,6 +5,7 @@
 #   bench/gpu_run.sh                   # there: run(command="bash bench/gpu_run.sh", carry=[".whl"])
 #   bench/gpu_run.sh --dry-run         # print the plan (steps, limits, commands); run nothing
 #   bench/gpu_run.sh --steps build,tests,model   # a subset, in the fixed order below
+#   bench/gpu_run.sh --link-facts      # how the built CUDA extension is linked (the build step runs it)
 #
 # The device tool copies the working tree (the 48 MB bundled model included) and allows 600 s
 # per command, so every step runs under its own limit (sum 560 s) and a step that fails or
@@ -43,7 +44,7 @@ PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 man
 
 usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
 
-DRY=0 FETCH=0 STEPS=("${STEPS_ALL[@]}")
+DRY=0 FETCH=0 LINK_FACTS=0 STEPS=("${STEPS_ALL[@]}")
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
@@ -58,6 +59,7 @@ while [ $# -gt 0 ]; do
       for w in "${wanted[@]}"; do
         [ -n "${LIMIT[$w]:-}" ] || { echo "gpu_run.sh: unknown step '$w' (steps: ${STEPS_ALL[*]})" >&2; exit 2; }
       done ;;
+    --link-facts) LINK_FACTS=1 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu_run.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
   esac
@@ -87,6 +89,20 @@ for name in sys.argv[1:]:
   exclude="$(git -C "$ROOT" rev-parse --path-format=absolute --git-common-dir)/info/exclude"
   grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"  # travels only when carried
   du -sh "$ROOT/.whl"
+  exit 0
+fi
+
+if [ "$LINK_FACTS" = 1 ]; then
+  # How the CUDA extension was linked (the build step prints it): on the GPU image a TORCH_CHECK
+  # message holding a number crashed in ostream::_M_insert<long> jumping into a codecvt facet, as
+  # if the extension carried its own copy of libstdc++'s locale code (kernels/csrc/yoso_check.h).
+  dir=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
+  so=$(find "$dir" -name 'yoso_serve_cuda*.so' 2>/dev/null | head -n 1)
+  [ -n "$so" ] || { echo "link facts: no yoso_serve_cuda .so under $dir"; exit 0; }
+  echo "link facts for $so:"
+  grep -h '^ldflags\|^cuda_post_cflags' "$(dirname "$so")/build.ninja" 2>/dev/null | cut -c1-600
+  ldd "$so" 2>/dev/null | grep -i 'stdc++\|gcc_s' || echo "ldd: no libstdc++ or libgcc_s among its libraries"
+  echo "std:: symbols it defines: $(nm -DC --defined-only "$so" 2>/dev/null | grep -c ' std::'); locale facets among them: $(nm -DC --defined-only "$so" 2>/dev/null | grep -c 'codecvt\|num_put\|locale::id')"
   exit 0
 fi
 
@@ -192,7 +208,7 @@ OUTDIR=${OUT:-$ROOT/bench/out/gpu}
 SUMMARY=/tmp/gpu_run_summary.tsv  # not under $OUT: the device tool brings back 8 files at most
 step_cmd() {  # the shell command of one step (run from $ROOT with the environment set below)
   case "$1" in
-    build) echo "\$PY -c 'import json; from yoso_serve.kernels import _build; i = _build.backend_info(); print(json.dumps(i)); raise SystemExit(i[\"backend\"] != \"cuda\")'" ;;
+    build) echo "\$PY -c 'import json; from yoso_serve.kernels import _build; i = _build.backend_info(); print(json.dumps(i)); raise SystemExit(i[\"backend\"] != \"cuda\")' && bash bench/gpu_run.sh --link-facts" ;;
     tests) echo "\$PY -m pytest -q tests/kernels/test_cuda.py tests/zoo/test_cores.py::test_yoso_core_in_fp16_normalises_before_the_sum_can_overflow" ;;
     sanitize) echo "\$SANITIZER --tool=memcheck --error-exitcode=3 \$PY -m pytest -q -x tests/kernels/test_cuda.py -k 'equals_torch_op or batch_invariance or out_of_range'" ;;
     attention) echo "\$PY bench/attention_cuda.py --lengths 1024 8192 32768 65536 --hashes 32 --repeats 5 --plot \$OUTDIR/attention_cuda.png --profile 8192 65536" ;;
