@@ -63,7 +63,7 @@ std::string message(std::initializer_list<MessagePiece> pieces) {
 void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank) {
   YOSO_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
   YOSO_CHECK(t.scalar_type() == dtype, name, " must be ", c10::toString(dtype), ", got ",
-              c10::toString(t.scalar_type()));
+             c10::toString(t.scalar_type()));
   YOSO_CHECK(t.dim() == rank, name, " must have rank ", rank, ", got shape ", t.sizes());
   YOSO_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
@@ -84,7 +84,7 @@ void check_int8_planes(const torch::Tensor& proj) {
   const float* w = proj.data_ptr<float>();
   for (int64_t i = 0; i < proj.numel(); ++i)
     YOSO_CHECK(w[i] >= -127.f && w[i] <= 127.f && w[i] == float(int32_t(w[i])),
-                "int8 hashing needs proj of integers in [-127, 127], got ", w[i], " at flat index ", i);
+               "int8 hashing needs proj of integers in [-127, 127], got ", w[i], " at flat index ", i);
 }
 
 // [w8, offset]: proj's int8 planes in the VNNI body's packed layout, validated once here so that callers
@@ -114,7 +114,7 @@ void run_without_gil(const std::function<void()>& kernel) {
 std::vector<torch::Tensor> int8_packed(const torch::Tensor& proj, const c10::optional<std::vector<torch::Tensor>>& packed) {
   if (!packed.has_value()) return pack_int8_planes(proj);
   YOSO_CHECK(packed->size() == 2, "packed must be [w8, offset] from pack_int8_planes(proj), got ", packed->size(),
-              " tensors");
+             " tensors");
   const torch::Tensor& w8 = (*packed)[0];
   const torch::Tensor& offset = (*packed)[1];
   const bool packs = yoso::simd::int8_packs();
@@ -122,11 +122,11 @@ std::vector<torch::Tensor> int8_packed(const torch::Tensor& proj, const c10::opt
   const int64_t want_w = packs ? proj.size(0) * cols16 * yoso::simd::packed_dpad(proj.size(1)) : 0;
   const int64_t want_offset = packs ? proj.size(0) * cols16 : 0;
   YOSO_CHECK(w8.device().is_cpu() && w8.scalar_type() == at::kChar && w8.is_contiguous() && w8.numel() == want_w &&
-                  offset.device().is_cpu() && offset.scalar_type() == at::kInt && offset.is_contiguous() &&
-                  offset.numel() == want_offset,
-              "packed must be pack_int8_planes(proj) for proj ", proj.sizes(), ": int8 (", want_w, ") and int32 (",
-              want_offset, "), got ", c10::toString(w8.scalar_type()), " (", w8.numel(), ") and ",
-              c10::toString(offset.scalar_type()), " (", offset.numel(), ")");
+                 offset.device().is_cpu() && offset.scalar_type() == at::kInt && offset.is_contiguous() &&
+                 offset.numel() == want_offset,
+             "packed must be pack_int8_planes(proj) for proj ", proj.sizes(), ": int8 (", want_w, ") and int32 (",
+             want_offset, "), got ", c10::toString(w8.scalar_type()), " (", w8.numel(), ") and ",
+             c10::toString(offset.scalar_type()), " (", offset.numel(), ")");
   return {w8, offset};
 }
 
@@ -138,7 +138,7 @@ void check_codes_range(const torch::Tensor& codes, const char* name, int64_t buc
   if (codes.numel() == 0) return;
   const int64_t top = codes.max().item<int64_t>();
   YOSO_CHECK(top < buckets, name, " holds code ", top, " but hash_bits=", hash_bits,
-              " allows codes below 2^hash_bits = ", buckets, " (negative codes mean masked)");
+             " allows codes below 2^hash_bits = ", buckets, " (negative codes mean masked)");
 }
 
 // The shape rules both devices share, once rank, dtype and device are checked, then (unless
@@ -146,13 +146,13 @@ void check_codes_range(const torch::Tensor& codes, const char* name, int64_t buc
 int64_t check_codes_against_values(const torch::Tensor& q_codes, const torch::Tensor& k_codes, const torch::Tensor& v,
                                    int64_t hash_bits, bool check_range = true) {
   YOSO_CHECK(q_codes.size(0) == k_codes.size(0) && k_codes.size(0) == v.size(0),
-              "batch*heads must match: q_codes (BH, m, Nq) ", q_codes.sizes(), ", k_codes (BH, m, Nk) ",
-              k_codes.sizes(), ", v (BH, Nk, Dv) ", v.sizes());
+             "batch*heads must match: q_codes (BH, m, Nq) ", q_codes.sizes(), ", k_codes (BH, m, Nk) ",
+             k_codes.sizes(), ", v (BH, Nk, Dv) ", v.sizes());
   YOSO_CHECK(q_codes.size(1) == k_codes.size(1), "number of hashes m must match: q_codes has ", q_codes.size(1),
-              ", k_codes has ", k_codes.size(1));
+             ", k_codes has ", k_codes.size(1));
   YOSO_CHECK(q_codes.size(1) >= 1, "number of hashes m must be at least 1, got ", q_codes.size(1));
   YOSO_CHECK(k_codes.size(2) == v.size(1), "Nk must match: k_codes (BH, m, Nk) ", k_codes.sizes(),
-              " vs v (BH, Nk, Dv) ", v.sizes());
+             " vs v (BH, Nk, Dv) ", v.sizes());
   YOSO_CHECK(k_codes.size(2) < (int64_t(1) << 31), "Nk must be below 2^31, got ", k_codes.size(2));
   const int64_t buckets = int64_t(1) << hash_bits;
   if (!check_range) return buckets;
@@ -164,7 +164,7 @@ int64_t check_codes_against_values(const torch::Tensor& q_codes, const torch::Te
 yoso::CumulateParams check_common(const torch::Tensor& q_codes, const torch::Tensor& k_codes, const torch::Tensor& v,
                             int64_t hash_bits) {
   YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
-              hash_bits);
+             hash_bits);
   check_tensor(q_codes, "q_codes", at::kInt, 3);
   check_tensor(k_codes, "k_codes", at::kInt, 3);
   check_tensor(v, "v", at::kFloat, 3);
@@ -188,7 +188,7 @@ yoso::CumulateParams check_common(const torch::Tensor& q_codes, const torch::Ten
 void check_cuda_tensor(const torch::Tensor& t, const char* name, int64_t rank, const torch::Tensor& like) {
   YOSO_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
   YOSO_CHECK(t.device() == like.device(), name, " must be on ", like.device(), " like the other inputs, got ",
-              t.device());
+             t.device());
   YOSO_CHECK(t.dim() == rank, name, " must have rank ", rank, ", got shape ", t.sizes());
   YOSO_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
@@ -197,7 +197,7 @@ YosoDtype cuda_float_dtype(const torch::Tensor& t, const char* name) {
   if (t.scalar_type() == at::kFloat) return YosoDtype::kFloat32;
   if (t.scalar_type() == at::kHalf) return YosoDtype::kFloat16;
   YOSO_CHECK(t.scalar_type() == at::kBFloat16, name, " must be float32, float16 or bfloat16, got ",
-              c10::toString(t.scalar_type()));
+             c10::toString(t.scalar_type()));
   return YosoDtype::kBFloat16;
 }
 
@@ -209,7 +209,7 @@ void check_cuda_call(const char* err) { YOSO_CHECK(err == nullptr, "YOSO CUDA ke
 YosoCumulateParams check_common_cuda(const torch::Tensor& q_codes, const torch::Tensor& k_codes,
                                      const torch::Tensor& v, int64_t hash_bits, bool check_codes) {
   YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
-              hash_bits);
+             hash_bits);
   check_cuda_tensor(v, "v", 3, v);
   check_cuda_tensor(q_codes, "q_codes", 3, v);
   check_cuda_tensor(k_codes, "k_codes", 3, v);
@@ -256,12 +256,12 @@ torch::Tensor lsh_weighted_cumulate_cuda(const torch::Tensor& q_codes, const tor
   check_cuda_tensor(q_w, "q_w", 3, v);
   check_cuda_tensor(k_w, "k_w", 3, v);
   YOSO_CHECK(q_w.scalar_type() == v.scalar_type() && k_w.scalar_type() == v.scalar_type(),
-              "q_w, k_w and v must share one dtype, got ", c10::toString(q_w.scalar_type()), ", ",
-              c10::toString(k_w.scalar_type()), ", ", c10::toString(v.scalar_type()));
+             "q_w, k_w and v must share one dtype, got ", c10::toString(q_w.scalar_type()), ", ",
+             c10::toString(k_w.scalar_type()), ", ", c10::toString(v.scalar_type()));
   YOSO_CHECK(q_w.size(0) == p.bh && q_w.size(1) == p.nq, "q_w must be (BH, Nq, Dw) = (", p.bh, ", ", p.nq,
-              ", Dw), got ", q_w.sizes());
+             ", Dw), got ", q_w.sizes());
   YOSO_CHECK(k_w.size(0) == p.bh && k_w.size(1) == p.nk, "k_w must be (BH, Nk, Dw) = (", p.bh, ", ", p.nk,
-              ", Dw), got ", k_w.sizes());
+             ", Dw), got ", k_w.sizes());
   YOSO_CHECK(q_w.size(2) == k_w.size(2), "Dw must match: q_w has ", q_w.size(2), ", k_w has ", k_w.size(2));
   p.q_w = q_w.data_ptr();
   p.k_w = k_w.data_ptr();
@@ -279,10 +279,10 @@ torch::Tensor hash_pack_cuda(const torch::Tensor& proj, int64_t num_hashes, int6
   check_cuda_tensor(proj, "proj", 3, proj);
   YOSO_CHECK(proj.scalar_type() == at::kFloat, "proj must be float32, got ", c10::toString(proj.scalar_type()));
   YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
-              hash_bits);
+             hash_bits);
   YOSO_CHECK(num_hashes >= 1 && proj.size(2) == num_hashes * hash_bits,
-              "proj must be (BH, N, num_hashes*hash_bits) = (BH, N, ", num_hashes * hash_bits, "), got ",
-              proj.sizes());
+             "proj must be (BH, N, num_hashes*hash_bits) = (BH, N, ", num_hashes * hash_bits, "), got ",
+             proj.sizes());
   torch::Tensor codes = torch::empty({proj.size(0), num_hashes, proj.size(1)}, proj.options().dtype(at::kInt));
   check_cuda_call(yoso_hash_pack(proj.data_ptr<float>(), codes.data_ptr<int32_t>(), proj.size(0), proj.size(1),
                                  num_hashes, static_cast<int>(hash_bits), c10::cuda::getCurrentCUDAStream()));
@@ -294,18 +294,18 @@ torch::Tensor hash_rotate_cuda(const torch::Tensor& x, const torch::Tensor& sign
   check_cuda_tensor(x, "x", 3, x);
   check_cuda_tensor(signs, "signs", 4, x);
   YOSO_CHECK(x.scalar_type() == at::kFloat && signs.scalar_type() == at::kFloat,
-              "x and signs must be float32, got ", c10::toString(x.scalar_type()), " and ",
-              c10::toString(signs.scalar_type()));
+             "x and signs must be float32, got ", c10::toString(x.scalar_type()), " and ",
+             c10::toString(signs.scalar_type()));
   YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
-              hash_bits);
+             hash_bits);
   YOSO_CHECK(signs.size(2) == 3, "signs must be (H, m, 3, P), got ", signs.sizes());
   YOSO_CHECK(signs.size(0) >= 1 && x.size(0) % signs.size(0) == 0,
-              "x rows (BH) must be a multiple of the heads H in signs (H, m, 3, P): ", x.sizes(), " vs ",
-              signs.sizes());
+             "x rows (BH) must be a multiple of the heads H in signs (H, m, 3, P): ", x.sizes(), " vs ",
+             signs.sizes());
   const int64_t p = signs.size(3);
   YOSO_CHECK(p <= kYosoMaxRotateDim, "padded dimension P must be at most ", kYosoMaxRotateDim, ", got ", p);
   YOSO_CHECK((p & (p - 1)) == 0 && p >= x.size(2) && p >= hash_bits,
-              "P must be a power of two >= max(D, hash_bits), got P=", p, " for D=", x.size(2));
+             "P must be a power of two >= max(D, hash_bits), got P=", p, " for D=", x.size(2));
   torch::Tensor codes = torch::empty({x.size(0), signs.size(1), x.size(1)}, x.options().dtype(at::kInt));
   check_cuda_call(yoso_hash_rotate(x.data_ptr<float>(), signs.data_ptr<float>(), codes.data_ptr<int32_t>(),
                                    x.size(0), signs.size(0), x.size(1), x.size(2), signs.size(1), p,
@@ -319,11 +319,11 @@ torch::Tensor fast_hash_codes_cuda(const torch::Tensor& x, const torch::Tensor& 
   check_cuda_tensor(x, "x", 4, x);
   check_cuda_tensor(proj, "proj", 3, x);
   YOSO_CHECK(x.scalar_type() == at::kFloat && proj.scalar_type() == at::kFloat, "x and proj must be float32, got ",
-              c10::toString(x.scalar_type()), " and ", c10::toString(proj.scalar_type()));
+             c10::toString(x.scalar_type()), " and ", c10::toString(proj.scalar_type()));
   YOSO_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
   YOSO_CHECK(proj.size(0) == x.size(1) && proj.size(1) == x.size(3) && proj.size(2) == num_hashes * hash_bits,
-              "proj must be (H, D, num_hashes*hash_bits) = (", x.size(1), ", ", x.size(3), ", ", num_hashes * hash_bits,
-              ") for x (B, H, N, D) ", x.sizes(), ", got ", proj.sizes());
+             "proj must be (H, D, num_hashes*hash_bits) = (", x.size(1), ", ", x.size(3), ", ", num_hashes * hash_bits,
+             ") for x (B, H, N, D) ", x.sizes(), ", got ", proj.sizes());
   // One batched GEMM (cuBLAS) for every projection, then one kernel packs the sign bits.
   const torch::Tensor scores = torch::matmul(x, proj).reshape({x.size(0) * x.size(1), x.size(2), proj.size(2)});
   return hash_pack_cuda(scores, num_hashes, hash_bits).view({x.size(0), x.size(1), num_hashes, x.size(2)});
@@ -354,9 +354,9 @@ torch::Tensor lsh_weighted_cumulate(const torch::Tensor& q_codes, const torch::T
   check_tensor(q_w, "q_w", at::kFloat, 3);
   check_tensor(k_w, "k_w", at::kFloat, 3);
   YOSO_CHECK(q_w.size(0) == p.bh && q_w.size(1) == p.nq, "q_w must be (BH, Nq, Dw) = (", p.bh, ", ", p.nq,
-              ", Dw), got ", q_w.sizes());
+             ", Dw), got ", q_w.sizes());
   YOSO_CHECK(k_w.size(0) == p.bh && k_w.size(1) == p.nk, "k_w must be (BH, Nk, Dw) = (", p.bh, ", ", p.nk,
-              ", Dw), got ", k_w.sizes());
+             ", Dw), got ", k_w.sizes());
   YOSO_CHECK(q_w.size(2) == k_w.size(2), "Dw must match: q_w has ", q_w.size(2), ", k_w has ", k_w.size(2));
   torch::Tensor out = torch::zeros({p.bh, p.nq, p.dv}, v.options());
   p.dw = q_w.size(2);
@@ -375,13 +375,13 @@ torch::Tensor fast_hash_codes(const torch::Tensor& x, const torch::Tensor& proj,
   if (x.is_cuda()) return fast_hash_codes_cuda(x, proj, num_hashes, hash_bits);
 #endif
   YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
-              hash_bits);
+             hash_bits);
   YOSO_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
   check_tensor(x, "x", at::kFloat, 4);
   check_tensor(proj, "proj", at::kFloat, 3);
   YOSO_CHECK(proj.size(0) == x.size(1) && proj.size(1) == x.size(3) && proj.size(2) == num_hashes * hash_bits,
-              "proj must be (H, D, num_hashes*hash_bits) = (", x.size(1), ", ", x.size(3), ", ", num_hashes * hash_bits,
-              ") for x (B, H, N, D) ", x.sizes(), ", got ", proj.sizes());
+             "proj must be (H, D, num_hashes*hash_bits) = (", x.size(1), ", ", x.size(3), ", ", num_hashes * hash_bits,
+             ") for x (B, H, N, D) ", x.sizes(), ", got ", proj.sizes());
   const std::vector<torch::Tensor> planes = int8 ? int8_packed(proj, packed) : std::vector<torch::Tensor>{};
   torch::Tensor codes = torch::empty({x.size(0), x.size(1), num_hashes, x.size(2)}, x.options().dtype(at::kInt));
   if (codes.numel() == 0) return codes;

@@ -113,7 +113,7 @@ void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::opti
   if (keep.has_value()) {
     check_tensor(*keep, "keep", at::kBool, 2);
     YOSO_CHECK(keep->size(0) == batch && keep->size(1) == n, "keep must be (B, N) = (", batch, ", ", n, "), got ",
-                keep->sizes());
+               keep->sizes());
     kp = reinterpret_cast<const uint8_t*>(keep->data_ptr<bool>());
   }
   if (out.numel() == 0) return;

@@ -44,12 +44,12 @@ std::pair<yoso::AttentionParams, torch::Tensor> attention_params(const torch::Te
   check_view(v, "v");
   YOSO_CHECK(k.sizes() == q.sizes(), "k must have q's shape (B, H, N, D) ", q.sizes(), ", got ", k.sizes());
   YOSO_CHECK(v.sizes().slice(0, 3) == q.sizes().slice(0, 3), "v must be (B, H, N, Dv) with q's B, H, N ",
-              q.sizes(), ", got ", v.sizes());
+             q.sizes(), ", got ", v.sizes());
   YOSO_CHECK(q.size(2) < (int64_t(1) << 31), "N must be below 2^31, got ", q.size(2));
   if (keep.has_value()) {
     check_tensor(*keep, "keep", at::kBool, 2);
     YOSO_CHECK(keep->size(0) == q.size(0) && keep->size(1) == q.size(2), "keep must be (B, N) = (", q.size(0),
-                ", ", q.size(2), "), got ", keep->sizes());
+               ", ", q.size(2), "), got ", keep->sizes());
   }
   torch::Tensor out = torch::zeros({v.size(0), v.size(2), v.size(1), v.size(3)}, v.options()).transpose(1, 2);
   yoso::AttentionParams p{};
@@ -76,13 +76,13 @@ torch::Tensor lsh_attention(const torch::Tensor& q, const torch::Tensor& k, cons
                             const torch::Tensor& proj, const c10::optional<torch::Tensor>& keep, int64_t num_hashes,
                             int64_t hash_bits, bool int8, const c10::optional<std::vector<torch::Tensor>>& packed) {
   YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
-              hash_bits);
+             hash_bits);
   YOSO_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
   check_tensor(proj, "proj", at::kFloat, 3);
   auto [p, out] = attention_params(q, k, v, keep);
   YOSO_CHECK(proj.size(0) == q.size(1) && proj.size(1) == q.size(3) && proj.size(2) == num_hashes * hash_bits,
-              "proj must be (H, D, num_hashes*hash_bits) = (", q.size(1), ", ", q.size(3), ", ",
-              num_hashes * hash_bits, "), got ", proj.sizes());
+             "proj must be (H, D, num_hashes*hash_bits) = (", q.size(1), ", ", q.size(3), ", ",
+             num_hashes * hash_bits, "), got ", proj.sizes());
   const std::vector<torch::Tensor> planes = int8 ? int8_packed(proj, packed) : std::vector<torch::Tensor>{};
   if (out.numel() == 0) return out;
   p.proj = proj.data_ptr<float>();
@@ -100,7 +100,7 @@ torch::Tensor lsh_attention(const torch::Tensor& q, const torch::Tensor& k, cons
 torch::Tensor exact_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const c10::optional<torch::Tensor>& keep, int64_t hash_bits) {
   YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
-              hash_bits);
+             hash_bits);
   auto [p, out] = attention_params(q, k, v, keep);
   if (out.numel() == 0) return out;
   p.hash_bits = int(hash_bits);
@@ -111,16 +111,16 @@ torch::Tensor exact_attention(const torch::Tensor& q, const torch::Tensor& k, co
 yoso::ExactParams check_exact(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                               const torch::Tensor& keep, int64_t hash_bits) {
   YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
-              hash_bits);
+             hash_bits);
   check_tensor(q, "q", at::kFloat, 3);
   check_tensor(k, "k", at::kFloat, 3);
   check_tensor(v, "v", at::kFloat, 3);
   check_tensor(keep, "keep", at::kFloat, 2);
   YOSO_CHECK(k.sizes() == q.sizes(), "k must have q's shape (BH, N, D) ", q.sizes(), ", got ", k.sizes());
   YOSO_CHECK(v.size(0) == q.size(0) && v.size(1) == q.size(1), "v must be (BH, N, Dv) = (", q.size(0), ", ",
-              q.size(1), ", Dv), got ", v.sizes());
+             q.size(1), ", Dv), got ", v.sizes());
   YOSO_CHECK(keep.size(0) == q.size(0) && keep.size(1) == q.size(1), "keep must be (BH, N) = (", q.size(0), ", ",
-              q.size(1), "), got ", keep.sizes());
+             q.size(1), "), got ", keep.sizes());
   yoso::ExactParams p{};
   p.q = q.data_ptr<float>();
   p.k = k.data_ptr<float>();
@@ -169,9 +169,9 @@ std::vector<torch::Tensor> exact_backward(const torch::Tensor& q, const torch::T
 
 torch::Tensor collision_probability(const torch::Tensor& cosines, int64_t hash_bits) {
   YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
-              hash_bits);
+             hash_bits);
   YOSO_CHECK(cosines.device().is_cpu() && cosines.scalar_type() == at::kFloat && cosines.is_contiguous(),
-              "cosines must be a contiguous float32 CPU tensor");
+             "cosines must be a contiguous float32 CPU tensor");
   torch::Tensor out = cosines.clone();
   yoso::simd::collision_weights(out.data_ptr<float>(), nullptr, nullptr, out.numel(), int(hash_bits), false, 0.f);
   return out;
