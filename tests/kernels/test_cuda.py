@@ -259,6 +259,19 @@ def test_hash_codes_on_cuda_agree_with_cpu(fast_hash):
     assert (on_gpu == on_cpu).float().mean().item() > 0.999
 
 
+@pytest.mark.parametrize("fast_hash", [True, False])
+def test_int8_codes_of_the_cuda_op_equal_the_cpu_kernels_bit_for_bit(ext, fast_hash):
+    """Int8 hashing on CUDA (quantized rows, the binding's GEMM and hash_pack_cuda) sums integers
+    exactly, so its codes equal hash_codes(int8=True) and the CPU extension's, every one."""
+    from yoso_serve.kernels.yoso import _kernels
+
+    x = torch.randn(2, 3, 300, 32, generator=torch.Generator().manual_seed(6))
+    args = (16, 8, 5, fast_hash, True)
+    on_gpu = _kernels("cuda", torch.device("cuda")).codes(x.cuda(), *args).cpu()
+    assert torch.equal(on_gpu, hash_codes(x, num_hashes=16, hash_bits=8, seed=5, fast_hash=fast_hash, int8=True))
+    assert torch.equal(on_gpu, _kernels("cpp", torch.device("cpu")).codes(x, *args))
+
+
 def test_expectation_converges_like_one_over_sqrt_m(ext, oracles):
     """Mean over m hashes → YOSO-E; the error at m = 256 is well under the error at m = 16."""
     q, k, v = oracles.random_qkv(1, 2, 64, 8, seed=5)

@@ -46,6 +46,16 @@ class StandIn:
         return codes
 
 
+    def fast_hash_codes(self, x, proj, num_hashes, hash_bits, int8=False):
+        """CUDA x (B, H, N, D) fp32 and proj (H, D, m·τ): one GEMM, then hash_pack_cuda's bits."""
+        assert not int8, "the binding refuses int8 for CUDA tensors: rows come quantized instead"
+        assert x.dtype == proj.dtype == torch.float32 and x.is_contiguous() and proj.is_contiguous()
+        self.calls.append(("gemm", tuple(x.shape), tuple(proj.shape)))
+        batch, heads, length, _ = x.shape
+        bits = torch.matmul(x, proj).view(batch, heads, length, num_hashes, hash_bits) > 0
+        return hashing._codes_from_bits(bits).permute(0, 1, 3, 2).contiguous()
+
+
 def gemm_codes(x, num_hashes, hash_bits, seed, fast_hash):
     raise AssertionError("the GEMM codes are for the Gaussian family only")
 
@@ -66,6 +76,20 @@ def test_the_gaussian_family_and_wide_rotations_go_to_the_gemm():
     x, wide = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 2, 2049)  # P = 4096 > the kernel's 2048
     assert codes(x, 3, 4, 0, False) == "gemm" and codes(wide, 3, 4, 0, True) == "gemm"
     assert seen == [(x, 3, 4, 0, False), (wide, 3, 4, 0, True)]
+
+
+@pytest.mark.parametrize("fast_hash", [True, False])
+def test_int8_hashing_sends_quantized_rows_to_the_gemm_and_packing(fast_hash):
+    """The int8 planes and the quantized rows go to the binding's GEMM + pack (one pass from scores
+    to codes): the codes are hash_codes(int8=True)'s, which the CPU kernels also give."""
+    ext = StandIn()
+    codes, _, _ = cuda_ops(ext, gemm_codes)
+    x = torch.randn(2, 3, 29, 24, generator=torch.Generator().manual_seed(5))
+    got = codes(x, 4, 8, 7, fast_hash, True)
+    assert ext.calls == [("gemm", (2, 3, 29, 24), (3, 24, 32))]
+    assert torch.equal(got, hashing.hash_codes(x, num_hashes=4, hash_bits=8, seed=7, fast_hash=fast_hash, int8=True))
+    with pytest.raises(ValueError, match="D <= "):
+        codes(torch.randn(1, 1, 2, hashing.MAX_INT8_DIM + 1), 4, 8, 7, fast_hash, True)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
