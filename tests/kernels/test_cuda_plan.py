@@ -13,14 +13,9 @@ most min(2^tau, Nk) rows (at tau = 16, Dv = 64, 96 rows of 128 tokens the dense 
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import pytest
-
-import yoso_serve.kernels
-from yoso_serve.kernels import _build
-
-CSRC = Path(yoso_serve.kernels.__file__).resolve().parent / "csrc"
+from yoso_testkit import build_host_driver
 
 BUDGET = 256 << 20
 DRIVER = r"""
@@ -47,17 +42,7 @@ int main(int argc, char** argv) {
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
     """The plan driver, compiled once (host code and one device target: ~30 s)."""
-    home, how = _build.find_cuda_toolkit()
-    if home is None:
-        pytest.fail(f"no CUDA toolkit ({how}): CI must compile the CUDA kernels")
-    out = tmp_path_factory.mktemp("plan")
-    (out / "driver.cu").write_text(DRIVER)
-    cmd = [str(home / "bin" / "nvcc"), "-std=c++17", "-O1", "-gencode=arch=compute_80,code=sm_80", f"-I{CSRC}",
-           str(out / "driver.cu"), str(CSRC / "yoso_cuda.cu"), str(CSRC / "yoso_cuda_weighted.cu"),
-           "-o", str(out / "driver")]
-    built = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert built.returncode == 0, built.stderr[-4000:]
-    return out / "driver"
+    return build_host_driver(tmp_path_factory.mktemp("plan"), DRIVER, "yoso_cuda.cu", "yoso_cuda_weighted.cu")
 
 
 def plans(driver, cases):

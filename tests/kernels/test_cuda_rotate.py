@@ -10,17 +10,14 @@ test_cuda.py::test_hash_rotate_equals_hash_codes_ref_bit_for_bit.
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from yoso_testkit import build_host_driver
 
-import yoso_serve.kernels
-from yoso_serve.kernels import _build
 from yoso_serve.kernels.hashing import hash_codes_ref, padded_dim, rotation_signs
 
-CSRC = Path(yoso_serve.kernels.__file__).resolve().parent / "csrc"
 REGISTER_DIMS = (1, 2, 4, 8, 16, 32, 64)  # the P the register kernel is instantiated for
 DRIVER = r"""
 #include <cstdio>
@@ -55,16 +52,7 @@ int main(int argc, char** argv) {
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    home, how = _build.find_cuda_toolkit()
-    if home is None:
-        pytest.fail(f"no CUDA toolkit ({how}): CI must compile the CUDA kernels")
-    out = tmp_path_factory.mktemp("rotate")
-    (out / "driver.cu").write_text(DRIVER)
-    cmd = [str(home / "bin" / "nvcc"), "-std=c++17", "-O1", "-gencode=arch=compute_80,code=sm_80", f"-I{CSRC}",
-           str(out / "driver.cu"), "-o", str(out / "driver")]
-    built = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert built.returncode == 0, built.stderr[-4000:]
-    return out / "driver"
+    return build_host_driver(tmp_path_factory.mktemp("rotate"), DRIVER)  # it includes yoso_cuda_hash.cu
 
 
 # (B, H, N, D, m, tau): D = 64 and 32 (the bench's and the bundled model's heads), a D padded to

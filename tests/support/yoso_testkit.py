@@ -7,6 +7,9 @@ what more than one folder needs lives here, once.
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import torch
 
 from yoso_serve.model import EncoderConfig, EncoderModel
@@ -67,3 +70,25 @@ def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> N
     """fp32 elementwise, relative to the largest entry (sums of many fp32 terms in another order)."""
     scale = max(1.0, expected.abs().max().item())
     torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=rtol, atol=rtol * scale)
+
+
+def build_host_driver(out: Path, source: str, *csrc_files: str) -> Path:
+    """Compile a driver's CUDA source (host code calling the kernels' host or __host__ __device__
+    code, so it runs on a CPU) with the kernels' csrc/ on the include path and the named csrc
+    files linked in, for one device target; fails the test when there is no CUDA toolkit, which
+    CI must have to compile the kernels."""
+    import pytest
+
+    import yoso_serve.kernels
+    from yoso_serve.kernels import _build
+
+    home, how = _build.find_cuda_toolkit()
+    if home is None:
+        pytest.fail(f"no CUDA toolkit ({how}): CI must compile the CUDA kernels")
+    csrc = Path(yoso_serve.kernels.__file__).resolve().parent / "csrc"
+    (out / "driver.cu").write_text(source)
+    cmd = [str(home / "bin" / "nvcc"), "-std=c++17", "-O1", "-gencode=arch=compute_80,code=sm_80", f"-I{csrc}",
+           str(out / "driver.cu"), *(str(csrc / name) for name in csrc_files), "-o", str(out / "driver")]
+    built = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-4000:]
+    return out / "driver"
