@@ -173,14 +173,21 @@ def profile(n: int, heads: int, dim: int, bits: int, dtype: torch.dtype, top: in
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_time_total > 0]
-        total = sum(e.self_device_time_total for e in events)
+        total, events = top_kernels(prof, top)
         print(f"\n### Where YOSO-32's GPU time goes: {label}, N={n} (total {total / 1e3:.3f} ms of kernels)\n")
         print("| kernel | calls | ms | share |")
         print("|---|---:|---:|---:|")
-        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        for e in events:
             print(f"| {e.key[:70]} | {e.count} | {e.self_device_time_total / 1e3:.3f} | "
                   f"{e.self_device_time_total / max(total, 1):.0%} |")
+
+
+def top_kernels(prof, top: int) -> tuple[float, list]:
+    """(microseconds of device time in all, the ``top`` events that spent most of it themselves)
+    of a finished torch.profiler run (also bench/gpu_run.sh's model step)."""
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    return total, sorted(events, key=lambda e: -e.self_device_time_total)[:top]
 
 
 def print_tables(rows: list[dict], kernels: list[dict], device: str) -> None:

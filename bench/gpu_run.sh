@@ -143,14 +143,16 @@ def docs_per_s(repeats=5):
 
 yoso = docs_per_s()
 if device == "cuda":  # where one YOSO-32 forward's GPU time goes: the next thing to speed up
+    import sys
     from torch.profiler import ProfilerActivity, profile
+    sys.path.insert(0, "bench")
+    from attention_cuda import top_kernels
     with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         model.last_hidden(ids, mask, hashes=32)
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    total = sum(e.self_device_time_total for e in events)
+    total, events = top_kernels(prof, 12)
     print(f"PROFILE one YOSO-32 forward, {total / 1e3:.2f} ms of kernels")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+    for e in events:
         print(f"PROFILE {e.self_device_time_total / total:6.1%} {e.count:5d}x {e.key[:90]}")
 for module in model.modules():  # the same weights, SDPA softmax instead of YOSO in every layer
     if isinstance(module, YosoSelfAttention):
