@@ -12,8 +12,8 @@
 
 namespace {
 
-constexpr int kKeyTile = 16;    // keys staged per step of the table scheme
-constexpr int kQueryTile = 64;  // queries staged per step of the table scheme
+constexpr int kKeyTile = 16;    // keys staged per step of the staged schemes
+constexpr int kQueryTile = 64;  // queries staged per step of the staged schemes
 constexpr int kMicro = 4;       // register block edge of the table scheme
 
 struct WeightedArgs {
@@ -27,8 +27,11 @@ struct WeightedArgs {
   float scale;
 };
 
+// A bucket too wide for shared-memory staging (dw above ~140): a warp per query walks the keys
+// from global memory, the weight by a shuffle reduction (broadcast from lane 0, so every column
+// uses the same rounded weight).
 template <typename T>
-__device__ void weighted_pairwise(const WeightedArgs& a, int64_t bh, int qs, int qe, int ks, int ke) {
+__device__ void weighted_pairwise_wide(const WeightedArgs& a, int64_t bh, int qs, int qe, int ks, int ke) {
   const T* qw = static_cast<const T*>(a.q_w) + bh * a.nq * a.dw;
   const T* kw = static_cast<const T*>(a.k_w) + bh * a.nk * a.dw;
   const T* v = static_cast<const T*>(a.v) + bh * a.nk * a.dv;
@@ -44,7 +47,7 @@ __device__ void weighted_pairwise(const WeightedArgs& a, int64_t bh, int qs, int
         float dot = 0.f;
         for (int64_t w = lane; w < a.dw; w += 32) dot += load(qw, i * a.dw + w) * load(kw, j * a.dw + w);
         for (int off = 16; off > 0; off /= 2) dot += __shfl_down_sync(kFull, dot, off);
-        dot = __shfl_sync(kFull, dot, 0);  // one value for every lane keeps columns consistent
+        dot = __shfl_sync(kFull, dot, 0);
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
           const int64_t d = d0 + lane + 32 * t;
@@ -60,17 +63,113 @@ __device__ void weighted_pairwise(const WeightedArgs& a, int64_t bh, int qs, int
   }
 }
 
-// The bucket's dw x cols table T = sum_j k_w[j] (x) v[j] is built in shared memory from key tiles,
-// then applied to query tiles. Each thread works on kMicro x kMicro register blocks, so one
-// shared-memory load feeds kMicro FMAs; every table entry and output is summed in a fixed order.
+// Shared-memory regions of a block (floats), the same for the staged pairwise and the table
+// scheme: tab (dw, cols); kws (kKeyTile, dw + 1); vs (kKeyTile, cols); qws (kQueryTile, dw + 1);
+// ss (kQueryTile, kKeyTile + 1). The +1 pads spread rows read down a column over banks.
+struct Smem {
+  float *tab, *kws, *vs, *qws, *ss;
+  __device__ Smem(float* base, int dw, int cols)
+      : tab(base),
+        kws(tab + dw * cols),
+        vs(kws + kKeyTile * (dw + 1)),
+        qws(vs + kKeyTile * cols),
+        ss(qws + kQueryTile * (dw + 1)) {}
+};
+
+// Rows perm[first + r] of x (row length `len`, columns [c0, c0 + width)) into dst (row stride
+// `stride`), for r < rows; rows `n` .. `rows` - 1 are zero, so partial tiles compute on zeros.
+template <typename T>
+__device__ void stage(float* dst, int stride, const T* x, int64_t len, int64_t c0, int width, const int32_t* perm,
+                      int first, int n, int rows) {
+  for (int e = threadIdx.x; e < rows * width; e += kThreads) {
+    const int r = e / width, c = e % width;
+    dst[r * stride + c] = r < n ? load(x, int64_t(perm[first + r]) * len + c0 + c) : 0.f;
+  }
+}
+
+// Small buckets, cost nq*nk*(dw + dv): the bucket's weights S = q_w k_w^T and then S v, tile by
+// tile from shared memory. Per tile of kQueryTile queries, each thread keeps a kMicro x kMicro
+// block of the output in registers across the key tiles; per key tile the kQueryTile x kKeyTile
+// weights are computed 2 x 2 per thread into ss. Sums run in a fixed order (keys in sorted order).
+template <typename T>
+__device__ void weighted_pairwise(const WeightedArgs& a, int64_t bh, int qs, int qe, int ks, int ke) {
+  extern __shared__ float smem[];
+  const int cols = a.table_cols, dw = static_cast<int>(a.dw), rs = dw + 1, ss_stride = kKeyTile + 1;
+  const Smem sm(smem, dw, cols);
+  const T* qw = static_cast<const T*>(a.q_w) + bh * a.nq * a.dw;
+  const T* kw = static_cast<const T*>(a.k_w) + bh * a.nk * a.dw;
+  const T* v = static_cast<const T*>(a.v) + bh * a.nk * a.dv;
+  const int32_t* kp = a.k_perm + (bh * a.group + a.hs) * a.nk;
+  const int32_t* qp = a.q_perm + (bh * a.group + a.hs) * a.nq;
+  static_assert(kQueryTile * kKeyTile == 4 * kThreads, "one 2 x 2 block of weights per thread");
+  const int si = (threadIdx.x / (kKeyTile / 2)) * 2, sj = (threadIdx.x % (kKeyTile / 2)) * 2;
+  for (int64_t d0 = 0; d0 < a.dv; d0 += cols) {
+    const int width = static_cast<int>(min64(cols, a.dv - d0));
+    const int tiles_d = (width + kMicro - 1) / kMicro;
+    const bool owns = static_cast<int>(threadIdx.x) < (kQueryTile / kMicro) * tiles_d;
+    const int r0 = (threadIdx.x / tiles_d) * kMicro, c0 = (threadIdx.x % tiles_d) * kMicro;
+    for (int qb = qs; qb < qe; qb += kQueryTile) {
+      const int nqt = min(kQueryTile, qe - qb);
+      stage(sm.qws, rs, qw, a.dw, 0, dw, qp, qb, nqt, kQueryTile);
+      float acc[kMicro][kMicro] = {};
+      for (int kb = ks; kb < ke; kb += kKeyTile) {
+        const int n = min(kKeyTile, ke - kb);
+        stage(sm.kws, rs, kw, a.dw, 0, dw, kp, kb, n, kKeyTile);
+        stage(sm.vs, cols, v, a.dv, d0, width, kp, kb, n, kKeyTile);
+        __syncthreads();
+        float s[2][2] = {};
+        for (int w = 0; w < dw; ++w) {
+          const float q0 = sm.qws[si * rs + w], q1 = sm.qws[(si + 1) * rs + w];
+          const float k0 = sm.kws[sj * rs + w], k1 = sm.kws[(sj + 1) * rs + w];
+          s[0][0] += q0 * k0;
+          s[0][1] += q0 * k1;
+          s[1][0] += q1 * k0;
+          s[1][1] += q1 * k1;
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) sm.ss[(si + i) * ss_stride + sj + j] = s[i][j];
+        __syncthreads();
+        if (owns) {
+          for (int r = 0; r < n; ++r) {
+            float sv[kMicro], vv[kMicro];
+#pragma unroll
+            for (int i = 0; i < kMicro; ++i) {
+              sv[i] = sm.ss[(r0 + i) * ss_stride + r];
+              vv[i] = c0 + i < width ? sm.vs[r * cols + c0 + i] : 0.f;
+            }
+#pragma unroll
+            for (int i = 0; i < kMicro; ++i)
+#pragma unroll
+              for (int j = 0; j < kMicro; ++j) acc[i][j] += sv[i] * vv[j];
+          }
+        }
+        __syncthreads();  // the next key tile (or query tile, or bucket) overwrites kws, vs, ss, qws
+      }
+      if (owns) {
+#pragma unroll
+        for (int i = 0; i < kMicro; ++i) {
+          if (r0 + i >= nqt) continue;
+          float* o = a.out + (bh * a.nq + qp[qb + r0 + i]) * a.dv + d0 + c0;
+#pragma unroll
+          for (int j = 0; j < kMicro; ++j)
+            if (c0 + j < width) o[j] += a.scale * acc[i][j];
+        }
+      }
+    }
+  }
+}
+
+// Big buckets, cost (nq + nk)*dw*dv: the bucket's dw x cols table T = sum_j k_w[j] (x) v[j] is built
+// from key tiles, each thread holding one kMicro x kMicro block of it in registers across the
+// tiles (weighted_table_cols keeps the blocks within one per thread), then stored to shared memory
+// and applied to query tiles. Every table entry and output is summed in a fixed order.
 template <typename T>
 __device__ void weighted_table(const WeightedArgs& a, int64_t bh, int qs, int qe, int ks, int ke) {
   extern __shared__ float smem[];
-  const int cols = a.table_cols, dw = static_cast<int>(a.dw), qstride = dw + 1;
-  float* tab = smem;                  // (dw, width), row stride width
-  float* kws = tab + dw * cols;       // (kKeyTile, dw)
-  float* vs = kws + kKeyTile * dw;    // (kKeyTile, cols)
-  float* qws = vs + kKeyTile * cols;  // (kQueryTile, dw + 1): the pad spreads rows over banks
+  const int cols = a.table_cols, dw = static_cast<int>(a.dw), rs = dw + 1;
+  const Smem sm(smem, dw, cols);
   const T* qw = static_cast<const T*>(a.q_w) + bh * a.nq * a.dw;
   const T* kw = static_cast<const T*>(a.k_w) + bh * a.nk * a.dw;
   const T* v = static_cast<const T*>(a.v) + bh * a.nk * a.dv;
@@ -80,46 +179,41 @@ __device__ void weighted_table(const WeightedArgs& a, int64_t bh, int qs, int qe
   for (int64_t d0 = 0; d0 < a.dv; d0 += cols) {
     const int width = static_cast<int>(min64(cols, a.dv - d0));
     const int tiles_d = (width + kMicro - 1) / kMicro;
-    for (int e = threadIdx.x; e < dw * width; e += kThreads) tab[e] = 0.f;
-    __syncthreads();
+    const bool builds = static_cast<int>(threadIdx.x) < tiles_w * tiles_d;
+    const int w0 = (threadIdx.x / tiles_d) * kMicro, t0 = (threadIdx.x % tiles_d) * kMicro;
+    float part[kMicro][kMicro] = {};
     for (int kb = ks; kb < ke; kb += kKeyTile) {
       const int n = min(kKeyTile, ke - kb);
-      for (int e = threadIdx.x; e < n * dw; e += kThreads) kws[e] = load(kw, int64_t(kp[kb + e / dw]) * a.dw + e % dw);
-      for (int e = threadIdx.x; e < n * width; e += kThreads)
-        vs[(e / width) * cols + e % width] = load(v, int64_t(kp[kb + e / width]) * a.dv + d0 + e % width);
+      stage(sm.kws, rs, kw, a.dw, 0, dw, kp, kb, n, n);
+      stage(sm.vs, cols, v, a.dv, d0, width, kp, kb, n, n);
       __syncthreads();
-      for (int t = threadIdx.x; t < tiles_w * tiles_d; t += kThreads) {
-        const int w0 = (t / tiles_d) * kMicro, c0 = (t % tiles_d) * kMicro;
-        float acc[kMicro][kMicro];
-#pragma unroll
-        for (int i = 0; i < kMicro; ++i)
-#pragma unroll
-          for (int j = 0; j < kMicro; ++j)
-            acc[i][j] = w0 + i < dw && c0 + j < width ? tab[(w0 + i) * width + c0 + j] : 0.f;
+      if (builds) {
         for (int r = 0; r < n; ++r) {
           float kv[kMicro], vv[kMicro];
 #pragma unroll
           for (int i = 0; i < kMicro; ++i) {
-            kv[i] = w0 + i < dw ? kws[r * dw + w0 + i] : 0.f;
-            vv[i] = c0 + i < width ? vs[r * cols + c0 + i] : 0.f;
+            kv[i] = w0 + i < dw ? sm.kws[r * rs + w0 + i] : 0.f;
+            vv[i] = t0 + i < width ? sm.vs[r * cols + t0 + i] : 0.f;
           }
 #pragma unroll
           for (int i = 0; i < kMicro; ++i)
 #pragma unroll
-            for (int j = 0; j < kMicro; ++j) acc[i][j] += kv[i] * vv[j];
+            for (int j = 0; j < kMicro; ++j) part[i][j] += kv[i] * vv[j];
         }
-#pragma unroll
-        for (int i = 0; i < kMicro; ++i)
-#pragma unroll
-          for (int j = 0; j < kMicro; ++j)
-            if (w0 + i < dw && c0 + j < width) tab[(w0 + i) * width + c0 + j] = acc[i][j];
       }
       __syncthreads();
     }
+    if (builds) {
+#pragma unroll
+      for (int i = 0; i < kMicro; ++i)
+#pragma unroll
+        for (int j = 0; j < kMicro; ++j)
+          if (w0 + i < dw && t0 + j < width) sm.tab[(w0 + i) * width + t0 + j] = part[i][j];
+    }
+    __syncthreads();
     for (int qb = qs; qb < qe; qb += kQueryTile) {
       const int n = min(kQueryTile, qe - qb);
-      for (int e = threadIdx.x; e < n * dw; e += kThreads)
-        qws[(e / dw) * qstride + e % dw] = load(qw, int64_t(qp[qb + e / dw]) * a.dw + e % dw);
+      stage(sm.qws, rs, qw, a.dw, 0, dw, qp, qb, n, n);
       __syncthreads();
       const int tiles_r = (n + kMicro - 1) / kMicro;
       for (int t = threadIdx.x; t < tiles_r * tiles_d; t += kThreads) {
@@ -129,8 +223,8 @@ __device__ void weighted_table(const WeightedArgs& a, int64_t bh, int qs, int qe
           float qv[kMicro], tv[kMicro];
 #pragma unroll
           for (int i = 0; i < kMicro; ++i) {
-            qv[i] = r0 + i < n ? qws[(r0 + i) * qstride + w] : 0.f;
-            tv[i] = c0 + i < width ? tab[w * width + c0 + i] : 0.f;
+            qv[i] = r0 + i < n ? sm.qws[(r0 + i) * rs + w] : 0.f;
+            tv[i] = c0 + i < width ? sm.tab[w * width + c0 + i] : 0.f;
           }
 #pragma unroll
           for (int i = 0; i < kMicro; ++i)
@@ -164,25 +258,32 @@ __global__ void __launch_bounds__(kThreads) weighted_kernel(WeightedArgs a, int6
     if (qs == qe || ks == ke) continue;  // block-uniform: both paths below use __syncthreads
     const int64_t pair_cost = int64_t(qe - qs) * (ke - ks) * (a.dw + a.dv);
     const int64_t table_cost = int64_t(qe - qs + ke - ks) * a.dw * a.dv;
-    if (a.table_cols == 0 || pair_cost <= table_cost)
-      weighted_pairwise<T>(a, bh, qs, qe, ks, ke);
+    if (a.table_cols == 0)
+      weighted_pairwise_wide<T>(a, bh, qs, qe, ks, ke);
+    else if (pair_cost <= table_cost)
+      weighted_pairwise<T>(a, bh, qs, qe, ks, ke);  // both end on a barrier: the next bucket may reuse smem
     else
-      weighted_table<T>(a, bh, qs, qe, ks, ke);  // ends on a barrier: the next bucket may reuse smem
+      weighted_table<T>(a, bh, qs, qe, ks, ke);
   }
 }
 
 constexpr int64_t kBlocksPerSm = 64;
 
+// The regions of Smem, in bytes.
 size_t weighted_smem(int64_t dw, int64_t cols) {
-  return size_t(dw * cols + kKeyTile * dw + kKeyTile * cols + kQueryTile * (dw + 1)) * sizeof(float);
+  return size_t(dw * cols + (kKeyTile + kQueryTile) * (dw + 1) + kKeyTile * cols + kQueryTile * (kKeyTile + 1)) *
+         sizeof(float);
 }
 
-// dv columns per table pass so that the table and its staging fit kStaticSmem; 0 = never fits
-// (dw > ~150), and every bucket is served pairwise.
+// dv columns per pass of the staged schemes: the table and its staging fit kStaticSmem, and the
+// table has at most one kMicro x kMicro block per thread (they stay in registers while it is
+// built). 0 = never fits (dw above ~140): every bucket then runs weighted_pairwise_wide.
 int weighted_table_cols(int64_t dw, int64_t dv) {
   const int64_t floats = kStaticSmem / sizeof(float);
-  const int64_t cols = (floats - kKeyTile * dw - kQueryTile * (dw + 1)) / (dw + kKeyTile);
-  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>({cols, dv, 64})));
+  const int64_t fixed = (kKeyTile + kQueryTile) * (dw + 1) + kQueryTile * (kKeyTile + 1);
+  const int64_t fit = (floats - fixed) / (dw + kKeyTile);
+  const int64_t blocks = kThreads / ((dw + kMicro - 1) / kMicro) * kMicro;
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>({fit, blocks, dv, 64})));
 }
 
 template <typename T>

@@ -91,12 +91,15 @@ def test_cumulate_half_inputs_accumulate_in_fp32(ext, dtype):
 
 # (BH, m, Nq, Nk, Dw, Dv, hash_bits, masked fraction). τ = 8, N ≈ 300: buckets of ~1 key
 # (pairwise scheme); τ = 2, N = 2000: buckets of ~500 (Dw×Dv table scheme, Dv split into
-# passes of 64 columns when Dv = 72); Dw = 500: tables never fit, pairwise everywhere.
+# passes of 64 columns when Dv = 72); τ = 1 with 400 queries and 12 keys: pairwise buckets of ~200
+# queries (several query tiles), Dw and Dv no multiple of 4; Dw = 500: tables never fit, pairwise
+# from global memory everywhere.
 WEIGHTED_CASES = [
     (1, 1, 1, 1, 1, 1, 1, 0.0),
     (2, 3, 137, 300, 48, 48, 8, 0.2),
     (2, 3, 2000, 1800, 64, 64, 2, 0.1),
     (1, 2, 700, 900, 40, 72, 1, 0.0),
+    (1, 2, 400, 12, 30, 26, 1, 0.0),
     (1, 2, 300, 200, 500, 16, 2, 0.0),
     (2, 9, 60, 80, 16, 16, 16, 0.3),
 ]
