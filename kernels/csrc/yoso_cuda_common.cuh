@@ -17,13 +17,53 @@ constexpr size_t kStaticSmem = 48 * 1024;  // no opt-in needed on any target
 constexpr size_t kWorkspaceBudget = size_t(256) << 20;  // scratch per call, unless one row needs more
 constexpr unsigned kFull = 0xffffffffu;
 
-__device__ __forceinline__ float load(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float load(const __half* p, int64_t i) { return __half2float(p[i]); }
-__device__ __forceinline__ float load(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
+__host__ __device__ __forceinline__ float load(const float* p, int64_t i) { return p[i]; }
+__host__ __device__ __forceinline__ float load(const __half* p, int64_t i) { return __half2float(p[i]); }
+__host__ __device__ __forceinline__ float load(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
 
 __device__ __forceinline__ bool live(int code, int nb) { return code >= 0 && code < nb; }
 
 __host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+__host__ __device__ __forceinline__ int min32(int a, int b) { return a < b ? a : b; }
+
+// ---- block code written once for the GPU and for a CPU emulation of one block ----
+// A block-level routine is a sequence of phases separated by block_sync(). On the GPU each_thread
+// runs the phase for this thread and block_sync is __syncthreads; compiled for the host, each_thread
+// runs the phase for every thread index in turn and block_sync does nothing, which is the same
+// computation for race-free code. Tests drive the host form on the CPU (tests/kernels/test_cuda_block.py).
+#ifdef __CUDA_ARCH__
+#define YOSO_UNROLL _Pragma("unroll")
+#else
+#define YOSO_UNROLL
+#endif
+
+__host__ __device__ __forceinline__ void block_sync() {
+#ifdef __CUDA_ARCH__
+  __syncthreads();
+#endif
+}
+
+template <class F>
+__host__ __device__ __forceinline__ void each_thread(F&& phase) {
+#ifdef __CUDA_ARCH__
+  phase(static_cast<int>(threadIdx.x));
+#else
+  for (int t = 0; t < kThreads; ++t) phase(t);
+#endif
+}
+
+// What a thread keeps across barriers: its registers on the GPU, one copy per thread index in the
+// emulation. Only ever a local variable, so the two layouts never meet.
+template <class S>
+struct PerThread {
+#ifdef __CUDA_ARCH__
+  S one;
+  __device__ __forceinline__ S& operator[](int) { return one; }
+#else
+  S all[kThreads];
+  S& operator[](int t) { return all[t]; }
+#endif
+};
 
 size_t align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 

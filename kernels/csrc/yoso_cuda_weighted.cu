@@ -68,7 +68,7 @@ __device__ void weighted_pairwise_wide(const WeightedArgs& a, int64_t bh, int qs
 // ss (kQueryTile, kKeyTile + 1). The +1 pads spread rows read down a column over banks.
 struct Smem {
   float *tab, *kws, *vs, *qws, *ss;
-  __device__ Smem(float* base, int dw, int cols)
+  __host__ __device__ Smem(float* base, int dw, int cols)
       : tab(base),
         kws(tab + dw * cols),
         vs(kws + kKeyTile * (dw + 1)),
@@ -76,15 +76,39 @@ struct Smem {
         ss(qws + kQueryTile * (dw + 1)) {}
 };
 
-// Rows perm[first + r] of x (row length `len`, columns [c0, c0 + width)) into dst (row stride
-// `stride`), for r < rows; rows `n` .. `rows` - 1 are zero, so partial tiles compute on zeros.
+// One phase: rows perm[first + r] of x (row length `len`, columns [c0, c0 + width)) into dst (row
+// stride `stride`), for r < rows; rows n .. rows - 1 are zero, so partial tiles compute on zeros.
 template <typename T>
-__device__ void stage(float* dst, int stride, const T* x, int64_t len, int64_t c0, int width, const int32_t* perm,
-                      int first, int n, int rows) {
-  for (int e = threadIdx.x; e < rows * width; e += kThreads) {
-    const int r = e / width, c = e % width;
-    dst[r * stride + c] = r < n ? load(x, int64_t(perm[first + r]) * len + c0 + c) : 0.f;
-  }
+__host__ __device__ void stage(float* dst, int stride, const T* x, int64_t len, int64_t c0, int width,
+                               const int32_t* perm, int first, int n, int rows) {
+  each_thread([&](int tid) {
+    for (int e = tid; e < rows * width; e += kThreads) {
+      const int r = e / width, c = e % width;
+      dst[r * stride + c] = r < n ? load(x, int64_t(perm[first + r]) * len + c0 + c) : 0.f;
+    }
+  });
+}
+
+struct Micro {
+  float x[kMicro][kMicro];
+};
+
+// One phase: out rows qp[qb + r] (r < nq) += scale * the threads' kMicro x kMicro blocks, the block
+// of thread t at rows (t / tiles_d) * kMicro, columns d0 + (t % tiles_d) * kMicro (t < tiles).
+__host__ __device__ inline void write_blocks(const WeightedArgs& a, int64_t bh, const int32_t* qp, int qb, int nq,
+                                             int64_t d0, int width, int tiles, PerThread<Micro>& acc) {
+  const int tiles_d = (width + kMicro - 1) / kMicro;
+  each_thread([&](int tid) {
+    for (int t = tid; t < tiles; t += kThreads) {
+      const int r0 = (t / tiles_d) * kMicro, c0 = (t % tiles_d) * kMicro;
+      for (int i = 0; i < kMicro; ++i) {
+        if (r0 + i >= nq) continue;
+        float* o = a.out + (bh * a.nq + qp[qb + r0 + i]) * a.dv + d0 + c0;
+        for (int j = 0; j < kMicro; ++j)
+          if (c0 + j < width) o[j] += a.scale * acc[tid].x[i][j];
+      }
+    }
+  });
 }
 
 // Small buckets, cost nq*nk*(dw + dv): the bucket's weights S = q_w k_w^T and then S v, tile by
@@ -92,8 +116,8 @@ __device__ void stage(float* dst, int stride, const T* x, int64_t len, int64_t c
 // block of the output in registers across the key tiles; per key tile the kQueryTile x kKeyTile
 // weights are computed 2 x 2 per thread into ss. Sums run in a fixed order (keys in sorted order).
 template <typename T>
-__device__ void weighted_pairwise(const WeightedArgs& a, int64_t bh, int qs, int qe, int ks, int ke) {
-  extern __shared__ float smem[];
+__host__ __device__ void weighted_pairwise(const WeightedArgs& a, int64_t bh, int qs, int qe, int ks, int ke,
+                                           float* smem) {
   const int cols = a.table_cols, dw = static_cast<int>(a.dw), rs = dw + 1, ss_stride = kKeyTile + 1;
   const Smem sm(smem, dw, cols);
   const T* qw = static_cast<const T*>(a.q_w) + bh * a.nq * a.dw;
@@ -102,61 +126,59 @@ __device__ void weighted_pairwise(const WeightedArgs& a, int64_t bh, int qs, int
   const int32_t* kp = a.k_perm + (bh * a.group + a.hs) * a.nk;
   const int32_t* qp = a.q_perm + (bh * a.group + a.hs) * a.nq;
   static_assert(kQueryTile * kKeyTile == 4 * kThreads, "one 2 x 2 block of weights per thread");
-  const int si = (threadIdx.x / (kKeyTile / 2)) * 2, sj = (threadIdx.x % (kKeyTile / 2)) * 2;
+  static_assert(kQueryTile / kMicro * (64 / kMicro) <= kThreads, "one output block per thread at 64 columns");
+  PerThread<Micro> acc;
   for (int64_t d0 = 0; d0 < a.dv; d0 += cols) {
     const int width = static_cast<int>(min64(cols, a.dv - d0));
-    const int tiles_d = (width + kMicro - 1) / kMicro;
-    const bool owns = static_cast<int>(threadIdx.x) < (kQueryTile / kMicro) * tiles_d;
-    const int r0 = (threadIdx.x / tiles_d) * kMicro, c0 = (threadIdx.x % tiles_d) * kMicro;
+    const int tiles_d = (width + kMicro - 1) / kMicro, tiles = (kQueryTile / kMicro) * tiles_d;
     for (int qb = qs; qb < qe; qb += kQueryTile) {
-      const int nqt = min(kQueryTile, qe - qb);
+      const int nqt = min32(kQueryTile, qe - qb);
       stage(sm.qws, rs, qw, a.dw, 0, dw, qp, qb, nqt, kQueryTile);
-      float acc[kMicro][kMicro] = {};
+      each_thread([&](int tid) {
+        for (int i = 0; i < kMicro; ++i)
+          for (int j = 0; j < kMicro; ++j) acc[tid].x[i][j] = 0.f;
+      });
       for (int kb = ks; kb < ke; kb += kKeyTile) {
-        const int n = min(kKeyTile, ke - kb);
+        const int n = min32(kKeyTile, ke - kb);
         stage(sm.kws, rs, kw, a.dw, 0, dw, kp, kb, n, kKeyTile);
         stage(sm.vs, cols, v, a.dv, d0, width, kp, kb, n, kKeyTile);
-        __syncthreads();
-        float s[2][2] = {};
-        for (int w = 0; w < dw; ++w) {
-          const float q0 = sm.qws[si * rs + w], q1 = sm.qws[(si + 1) * rs + w];
-          const float k0 = sm.kws[sj * rs + w], k1 = sm.kws[(sj + 1) * rs + w];
-          s[0][0] += q0 * k0;
-          s[0][1] += q0 * k1;
-          s[1][0] += q1 * k0;
-          s[1][1] += q1 * k1;
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-          for (int j = 0; j < 2; ++j) sm.ss[(si + i) * ss_stride + sj + j] = s[i][j];
-        __syncthreads();
-        if (owns) {
+        block_sync();
+        each_thread([&](int tid) {
+          const int si = (tid / (kKeyTile / 2)) * 2, sj = (tid % (kKeyTile / 2)) * 2;
+          float s00 = 0.f, s01 = 0.f, s10 = 0.f, s11 = 0.f;
+          for (int w = 0; w < dw; ++w) {
+            const float q0 = sm.qws[si * rs + w], q1 = sm.qws[(si + 1) * rs + w];
+            const float k0 = sm.kws[sj * rs + w], k1 = sm.kws[(sj + 1) * rs + w];
+            s00 += q0 * k0;
+            s01 += q0 * k1;
+            s10 += q1 * k0;
+            s11 += q1 * k1;
+          }
+          sm.ss[si * ss_stride + sj] = s00;
+          sm.ss[si * ss_stride + sj + 1] = s01;
+          sm.ss[(si + 1) * ss_stride + sj] = s10;
+          sm.ss[(si + 1) * ss_stride + sj + 1] = s11;
+        });
+        block_sync();
+        each_thread([&](int tid) {
+          if (tid >= tiles) return;
+          const int r0 = (tid / tiles_d) * kMicro, c0 = (tid % tiles_d) * kMicro;
           for (int r = 0; r < n; ++r) {
             float sv[kMicro], vv[kMicro];
-#pragma unroll
+YOSO_UNROLL
             for (int i = 0; i < kMicro; ++i) {
               sv[i] = sm.ss[(r0 + i) * ss_stride + r];
               vv[i] = c0 + i < width ? sm.vs[r * cols + c0 + i] : 0.f;
             }
-#pragma unroll
+YOSO_UNROLL
             for (int i = 0; i < kMicro; ++i)
-#pragma unroll
-              for (int j = 0; j < kMicro; ++j) acc[i][j] += sv[i] * vv[j];
+YOSO_UNROLL
+              for (int j = 0; j < kMicro; ++j) acc[tid].x[i][j] += sv[i] * vv[j];
           }
-        }
-        __syncthreads();  // the next key tile (or query tile, or bucket) overwrites kws, vs, ss, qws
+        });
+        block_sync();  // the next key tile (or query tile, or bucket) overwrites kws, vs, ss, qws
       }
-      if (owns) {
-#pragma unroll
-        for (int i = 0; i < kMicro; ++i) {
-          if (r0 + i >= nqt) continue;
-          float* o = a.out + (bh * a.nq + qp[qb + r0 + i]) * a.dv + d0 + c0;
-#pragma unroll
-          for (int j = 0; j < kMicro; ++j)
-            if (c0 + j < width) o[j] += a.scale * acc[i][j];
-        }
-      }
+      write_blocks(a, bh, qp, qb, nqt, d0, width, tiles, acc);
     }
   }
 }
@@ -166,8 +188,8 @@ __device__ void weighted_pairwise(const WeightedArgs& a, int64_t bh, int qs, int
 // tiles (weighted_table_cols keeps the blocks within one per thread), then stored to shared memory
 // and applied to query tiles. Every table entry and output is summed in a fixed order.
 template <typename T>
-__device__ void weighted_table(const WeightedArgs& a, int64_t bh, int qs, int qe, int ks, int ke) {
-  extern __shared__ float smem[];
+__host__ __device__ void weighted_table(const WeightedArgs& a, int64_t bh, int qs, int qe, int ks, int ke,
+                                        float* smem) {
   const int cols = a.table_cols, dw = static_cast<int>(a.dw), rs = dw + 1;
   const Smem sm(smem, dw, cols);
   const T* qw = static_cast<const T*>(a.q_w) + bh * a.nq * a.dw;
@@ -176,72 +198,99 @@ __device__ void weighted_table(const WeightedArgs& a, int64_t bh, int qs, int qe
   const int32_t* kp = a.k_perm + (bh * a.group + a.hs) * a.nk;
   const int32_t* qp = a.q_perm + (bh * a.group + a.hs) * a.nq;
   const int tiles_w = (dw + kMicro - 1) / kMicro;
+  PerThread<Micro> part;
   for (int64_t d0 = 0; d0 < a.dv; d0 += cols) {
     const int width = static_cast<int>(min64(cols, a.dv - d0));
     const int tiles_d = (width + kMicro - 1) / kMicro;
-    const bool builds = static_cast<int>(threadIdx.x) < tiles_w * tiles_d;
-    const int w0 = (threadIdx.x / tiles_d) * kMicro, t0 = (threadIdx.x % tiles_d) * kMicro;
-    float part[kMicro][kMicro] = {};
+    each_thread([&](int tid) {
+      for (int i = 0; i < kMicro; ++i)
+        for (int j = 0; j < kMicro; ++j) part[tid].x[i][j] = 0.f;
+    });
     for (int kb = ks; kb < ke; kb += kKeyTile) {
-      const int n = min(kKeyTile, ke - kb);
+      const int n = min32(kKeyTile, ke - kb);
       stage(sm.kws, rs, kw, a.dw, 0, dw, kp, kb, n, n);
       stage(sm.vs, cols, v, a.dv, d0, width, kp, kb, n, n);
-      __syncthreads();
-      if (builds) {
+      block_sync();
+      each_thread([&](int tid) {
+        if (tid >= tiles_w * tiles_d) return;
+        const int w0 = (tid / tiles_d) * kMicro, t0 = (tid % tiles_d) * kMicro;
         for (int r = 0; r < n; ++r) {
           float kv[kMicro], vv[kMicro];
-#pragma unroll
+YOSO_UNROLL
           for (int i = 0; i < kMicro; ++i) {
             kv[i] = w0 + i < dw ? sm.kws[r * rs + w0 + i] : 0.f;
             vv[i] = t0 + i < width ? sm.vs[r * cols + t0 + i] : 0.f;
           }
-#pragma unroll
+YOSO_UNROLL
           for (int i = 0; i < kMicro; ++i)
-#pragma unroll
-            for (int j = 0; j < kMicro; ++j) part[i][j] += kv[i] * vv[j];
+YOSO_UNROLL
+            for (int j = 0; j < kMicro; ++j) part[tid].x[i][j] += kv[i] * vv[j];
         }
-      }
-      __syncthreads();
+      });
+      block_sync();
     }
-    if (builds) {
-#pragma unroll
+    each_thread([&](int tid) {
+      if (tid >= tiles_w * tiles_d) return;
+      const int w0 = (tid / tiles_d) * kMicro, t0 = (tid % tiles_d) * kMicro;
       for (int i = 0; i < kMicro; ++i)
-#pragma unroll
         for (int j = 0; j < kMicro; ++j)
-          if (w0 + i < dw && t0 + j < width) sm.tab[(w0 + i) * width + t0 + j] = part[i][j];
-    }
-    __syncthreads();
+          if (w0 + i < dw && t0 + j < width) sm.tab[(w0 + i) * width + t0 + j] = part[tid].x[i][j];
+    });
+    block_sync();
     for (int qb = qs; qb < qe; qb += kQueryTile) {
-      const int n = min(kQueryTile, qe - qb);
+      const int n = min32(kQueryTile, qe - qb);
       stage(sm.qws, rs, qw, a.dw, 0, dw, qp, qb, n, n);
-      __syncthreads();
+      block_sync();
       const int tiles_r = (n + kMicro - 1) / kMicro;
-      for (int t = threadIdx.x; t < tiles_r * tiles_d; t += kThreads) {
-        const int r0 = (t / tiles_d) * kMicro, c0 = (t % tiles_d) * kMicro;
-        float acc[kMicro][kMicro] = {};
-        for (int w = 0; w < dw; ++w) {
-          float qv[kMicro], tv[kMicro];
-#pragma unroll
-          for (int i = 0; i < kMicro; ++i) {
-            qv[i] = r0 + i < n ? sm.qws[(r0 + i) * rs + w] : 0.f;
-            tv[i] = c0 + i < width ? sm.tab[w * width + c0 + i] : 0.f;
+      each_thread([&](int tid) {
+        for (int t = tid; t < tiles_r * tiles_d; t += kThreads) {
+          const int r0 = (t / tiles_d) * kMicro, c0 = (t % tiles_d) * kMicro;
+          float acc[kMicro][kMicro] = {};
+          for (int w = 0; w < dw; ++w) {
+            float qv[kMicro], tv[kMicro];
+YOSO_UNROLL
+            for (int i = 0; i < kMicro; ++i) {
+              qv[i] = r0 + i < n ? sm.qws[(r0 + i) * rs + w] : 0.f;
+              tv[i] = c0 + i < width ? sm.tab[w * width + c0 + i] : 0.f;
+            }
+YOSO_UNROLL
+            for (int i = 0; i < kMicro; ++i)
+YOSO_UNROLL
+              for (int j = 0; j < kMicro; ++j) acc[i][j] += qv[i] * tv[j];
           }
-#pragma unroll
-          for (int i = 0; i < kMicro; ++i)
-#pragma unroll
-            for (int j = 0; j < kMicro; ++j) acc[i][j] += qv[i] * tv[j];
+          for (int i = 0; i < kMicro; ++i) {
+            if (r0 + i >= n) continue;
+            float* o = a.out + (bh * a.nq + qp[qb + r0 + i]) * a.dv + d0 + c0;
+            for (int j = 0; j < kMicro; ++j)
+              if (c0 + j < width) o[j] += a.scale * acc[i][j];
+          }
         }
-#pragma unroll
-        for (int i = 0; i < kMicro; ++i) {
-          if (r0 + i >= n) continue;
-          float* o = a.out + (bh * a.nq + qp[qb + r0 + i]) * a.dv + d0 + c0;
-#pragma unroll
-          for (int j = 0; j < kMicro; ++j)
-            if (c0 + j < width) o[j] += a.scale * acc[i][j];
-        }
-      }
-      __syncthreads();
+      });
+      block_sync();
     }
+  }
+}
+
+// One (bh, bucket) of one hash, by a whole block; returns having passed a barrier, so the block
+// may stage the next bucket into the same shared memory. `item` = bh * nb + bucket.
+template <typename T>
+__host__ __device__ void weighted_bucket(const WeightedArgs& a, int64_t item, float* smem) {
+  const int64_t bh = item / a.nb;
+  const int b = static_cast<int>(item % a.nb);
+  const int32_t* qo = a.q_off + (bh * a.group + a.hs) * (a.nb + 1);
+  const int32_t* ko = a.k_off + (bh * a.group + a.hs) * (a.nb + 1);
+  const int qs = qo[b], qe = qo[b + 1], ks = ko[b], ke = ko[b + 1];
+  if (qs == qe || ks == ke) return;  // block-uniform
+  const int64_t pair_cost = int64_t(qe - qs) * (ke - ks) * (a.dw + a.dv);
+  const int64_t table_cost = int64_t(qe - qs + ke - ks) * a.dw * a.dv;
+  if (a.table_cols == 0) {
+#ifdef __CUDA_ARCH__
+    weighted_pairwise_wide<T>(a, bh, qs, qe, ks, ke);
+#endif
+  } else if (pair_cost <= table_cost) {
+    weighted_pairwise<T>(a, bh, qs, qe, ks, ke, smem);
+  } else {
+    weighted_table<T>(a, bh, qs, qe, ks, ke, smem);
   }
 }
 
@@ -249,22 +298,8 @@ __device__ void weighted_table(const WeightedArgs& a, int64_t bh, int qs, int qe
 // at large tau most buckets are empty, and a block per bucket would mostly launch to exit.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) weighted_kernel(WeightedArgs a, int64_t buckets) {
-  for (int64_t item = blockIdx.x; item < buckets; item += gridDim.x) {
-    const int64_t bh = item / a.nb;
-    const int b = static_cast<int>(item % a.nb);
-    const int32_t* qo = a.q_off + (bh * a.group + a.hs) * (a.nb + 1);
-    const int32_t* ko = a.k_off + (bh * a.group + a.hs) * (a.nb + 1);
-    const int qs = qo[b], qe = qo[b + 1], ks = ko[b], ke = ko[b + 1];
-    if (qs == qe || ks == ke) continue;  // block-uniform: both paths below use __syncthreads
-    const int64_t pair_cost = int64_t(qe - qs) * (ke - ks) * (a.dw + a.dv);
-    const int64_t table_cost = int64_t(qe - qs + ke - ks) * a.dw * a.dv;
-    if (a.table_cols == 0)
-      weighted_pairwise_wide<T>(a, bh, qs, qe, ks, ke);
-    else if (pair_cost <= table_cost)
-      weighted_pairwise<T>(a, bh, qs, qe, ks, ke);  // both end on a barrier: the next bucket may reuse smem
-    else
-      weighted_table<T>(a, bh, qs, qe, ks, ke);
-  }
+  extern __shared__ float smem[];
+  for (int64_t item = blockIdx.x; item < buckets; item += gridDim.x) weighted_bucket<T>(a, item, smem);
 }
 
 constexpr int64_t kBlocksPerSm = 64;
