@@ -54,7 +54,9 @@ SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, type=Path, help="YOSO checkpoint to start from")
-    p.add_argument("--teacher", required=True, type=Path, help="BERT-family teacher of the short-text term")
+    p.add_argument("--teacher", required=True, type=Path,
+                   help="BERT-family teacher of the short-text term, or `init`: the starting --model, frozen "
+                        "(holds short texts where the student starts; for machines without the teacher's weights)")
     p.add_argument("--data", required=True, type=Path, nargs="+",
                    help="document JSONL: {doc, source, blocks: [text, ...]} per line (longdocs.py writes it)")
     p.add_argument("--spans-per-doc", type=int, default=4)
@@ -442,7 +444,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("the student checkpoint has no tokenizer files")
     if stages[-1][0] > student.config.max_length:
         raise ValueError(f"--curriculum reaches {stages[-1][0]} tokens; the model has {student.config.max_length}")
-    teacher = BertTeacher.from_dir(args.teacher, device=session.device)
+    teacher = (FrozenStart(load_pretrained(args.model, device=session.device)) if str(args.teacher) == INIT_TEACHER
+               else BertTeacher.from_dir(args.teacher, device=session.device))
     tok = student.tokenizer
     corpus = DocCorpus(read_documents(args.data), tok, min(args.span_tokens, teacher.max_positions))
     weights = corpus.source_weights(args.batch_size)
@@ -509,6 +512,25 @@ def run(args: argparse.Namespace) -> int:
     return fit_student(trainer, student, session, args, "longdoc", lambda: (
         f"{len(corpus.keys)} documents from {len(weights)} sources ({', '.join(sources)}), "
         f"{len(corpus.pairs)} short pairs, {trainer.total_steps} steps, curriculum {stages}"))
+
+
+INIT_TEACHER = "init"
+
+
+class FrozenStart:
+    """``--teacher init``: the starting model, frozen, as the teacher of the short-text term. Short texts
+    (at most ``max_positions`` tokens, as a BERT teacher's) are embedded exactly, as the student embeds them
+    in training and ``auto`` serves them, so the distillation term holds the student's short-text embeddings
+    where they started instead of pulling them to another model's."""
+
+    max_positions = 512
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids, attention_mask, hashes=0)
 
 
 def hash_key(key: str) -> int:

@@ -337,6 +337,19 @@ def test_longdoc_learns_to_find_spans_and_writes_a_servable_model(tiny_bert, tin
     assert torch.isfinite(model.embed(ids, torch.ones_like(ids))).all()
 
 
+def test_teacher_init_distils_towards_the_frozen_starting_model(tiny_bert, tiny_yoso, docs_file, tmp_path):
+    """`--teacher init` needs no teacher weights: the short-text term compares the student with itself as it
+    started, so with dropout off the first step's distillation loss is zero, and it grows as the student moves."""
+    out = tmp_path / "init"
+    argv = longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "8", "--dropout", "0")
+    argv[argv.index("--teacher") + 1] = "init"
+    assert main(argv) == 0
+    rows = read_events(out, "train")
+    assert rows[0]["distill_loss"] < 1e-6
+    assert rows[-1]["distill_loss"] > 1e-4
+    assert (out / "model" / "config.json").exists()
+
+
 def test_a_step_whose_crops_hold_no_span_trains_on_its_short_texts(tiny_yoso):
     # a batch of documents with no block of 8+ tokens inside the crop gives no span at all: once, this
     # built a float (0,) target and stopped a run at step 33 (cross_entropy wants integer targets)

@@ -1,0 +1,73 @@
+"""bench/gpu_train.sh, issue 16's GPU training call, run end to end on the CPU: the kit is packed, the
+script trains the bundled model for two steps (a python that claims a GPU, GPU_TRAIN_DEVICE=cpu), splits
+the weights into parts that fit what the device tool brings back, and --unpack rebuilds a model that
+loads and embeds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_train.sh"
+
+
+def doc_rows(n: int) -> list[dict]:
+    """Document rows of two sources, each block a first sentence and a rest (longdoc's short pairs)."""
+    words = "alpha beta gamma delta kernel socket buffer queue thread index table vector".split()
+    return [{"doc": f"t/{d}.html#0", "source": "ab"[d % 2], "page": f"t/{d}.html",
+             "blocks": [f"{words[(d + b) % 12].capitalize()} {words[b % 12]} {words[d % 12]} starts right here. Then "
+                        + " ".join(words[(d * b + i) % 12] for i in range(20)) + "." for b in range(6)]}
+            for d in range(n)]
+
+
+def run(*args, env, timeout=600):
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env})
+
+
+def test_without_a_gpu_or_a_kit_it_stops_with_one_line(tmp_path):
+    done = run(env={"PYTHON": sys.executable, "GPU_TRAIN_KIT": str(tmp_path / "kit")})
+    assert done.returncode == 3 and done.stderr.startswith("gpu_train.sh needs a CUDA GPU")
+    done = run(env={"PYTHON": sys.executable, "GPU_TRAIN_KIT": str(tmp_path / "kit"), "GPU_TRAIN_DEVICE": "cpu"})
+    assert done.returncode == 2 and "run --kit here" in done.stderr
+
+
+@pytest.mark.slow  # loads the bundled model three times and trains two steps: 15-60 s on two shared cores
+def test_kit_train_and_unpack_give_a_model_that_embeds(tmp_path):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps(r) + "\n" for r in doc_rows(8)))
+    env = {"PYTHON": sys.executable, "GPU_TRAIN_KIT": str(tmp_path / "kit"), "GPU_TRAIN_DOCS": str(docs),
+           "GPU_TRAIN_DEVICE": "cpu", "OUT": str(tmp_path / "out"), "GPU_TRAIN_STEPS": "2", "GPU_TRAIN_BATCH": "2",
+           "GPU_TRAIN_ARGS": "--curriculum 64:1 --short-pairs 2 --queue 4 --segment-tokens 16 --save-every 1"}
+    packed = run("--kit", env=env)
+    assert packed.returncode == 0, packed.stderr
+    assert (tmp_path / "kit" / "train_docs.jsonl.xz").stat().st_size > 0
+
+    done = run(env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "out"
+    log = (out / "train.log").read_text()
+    assert "--teacher init" in log and "RESULT rc=0" in log
+    parts = sorted(out.glob("model.safetensors.part-*"))
+    assert parts and all(p.stat().st_size <= 15 << 20 for p in parts)
+    assert len(list(out.iterdir())) <= 8  # the device tool brings back 8 files at most
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line).get("event") == "train"] == [1, 2]
+
+    dest = tmp_path / "model"
+    unpacked = run("--unpack", str(out), str(dest), env=env)
+    assert unpacked.returncode == 0, unpacked.stderr
+    from yoso_serve.model import load_pretrained
+    from yoso_serve.model.default import bundled_model_dir
+
+    model, bundled = load_pretrained(dest), load_pretrained(bundled_model_dir())
+    ids = torch.tensor([model.tokenizer.encode(["alpha beta gamma"])[0]])
+    got, was = model.embed(ids, torch.ones_like(ids), hashes=0), bundled.embed(ids, torch.ones_like(ids), hashes=0)
+    assert torch.isfinite(got).all() and not torch.equal(got, was)  # the trained weights, not the bundle's
+    assert run("--unpack", str(out), str(dest), env=env).returncode == 2  # never over an existing model
