@@ -94,19 +94,18 @@ struct Micro {
 };
 
 // One phase: out rows qp[qb + r] (r < nq) += scale * the threads' kMicro x kMicro blocks, the block
-// of thread t at rows (t / tiles_d) * kMicro, columns d0 + (t % tiles_d) * kMicro (t < tiles).
+// of thread t < tiles (at most kThreads) at rows (t / tiles_d) * kMicro, columns d0 + (t % tiles_d) * kMicro.
 __host__ __device__ inline void write_blocks(const WeightedArgs& a, int64_t bh, const int32_t* qp, int qb, int nq,
                                              int64_t d0, int width, int tiles, PerThread<Micro>& acc) {
   const int tiles_d = (width + kMicro - 1) / kMicro;
   each_thread([&](int tid) {
-    for (int t = tid; t < tiles; t += kThreads) {
-      const int r0 = (t / tiles_d) * kMicro, c0 = (t % tiles_d) * kMicro;
-      for (int i = 0; i < kMicro; ++i) {
-        if (r0 + i >= nq) continue;
-        float* o = a.out + (bh * a.nq + qp[qb + r0 + i]) * a.dv + d0 + c0;
-        for (int j = 0; j < kMicro; ++j)
-          if (c0 + j < width) o[j] += a.scale * acc[tid].x[i][j];
-      }
+    if (tid >= tiles) return;
+    const int r0 = (tid / tiles_d) * kMicro, c0 = (tid % tiles_d) * kMicro;
+    for (int i = 0; i < kMicro; ++i) {
+      if (r0 + i >= nq) continue;
+      float* o = a.out + (bh * a.nq + qp[qb + r0 + i]) * a.dv + d0 + c0;
+      for (int j = 0; j < kMicro; ++j)
+        if (c0 + j < width) o[j] += a.scale * acc[tid].x[i][j];
     }
   });
 }
