@@ -24,13 +24,18 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 KIT=${GPU_TRAIN_KIT:-$ROOT/.kit}
 PY=${PYTHON:-python3}
 usage() { sed -n '5,7p' "$0" | sed 's/^# \{0,1\}//'; }
+# xzcopy SRC DEST [compress]: .xz by Python's lzma, so neither machine needs the xz tool
+xzcopy() { "$PY" -c 'import lzma, shutil, sys
+opener = (open, lzma.open) if sys.argv[3:] else (lzma.open, open)
+with opener[0](sys.argv[1], "rb") as src, opener[1](sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst, 1 << 20)' "$@"; }
 
 case "${1:-}" in
   --kit)
     docs=${GPU_TRAIN_DOCS:-$ROOT/runs/default-model/longdoc-data-wide/train_docs.jsonl}
     [ -f "$docs" ] || { echo "gpu_train.sh: no $docs (make default-model's longdoc-data-wide stage writes it)" >&2; exit 2; }
     mkdir -p "$KIT"
-    xz -T0 -6 -c "$docs" >"$KIT/train_docs.jsonl.xz" || exit 1
+    xzcopy "$docs" "$KIT/train_docs.jsonl.xz" compress || exit 1
     if [ "$KIT" = "$ROOT/.kit" ]; then  # travels only when carried
       exclude="$(git -C "$ROOT" rev-parse --path-format=absolute --git-common-dir)/info/exclude"
       grep -qx '/.kit/' "$exclude" 2>/dev/null || echo '/.kit/' >>"$exclude"
@@ -65,7 +70,7 @@ PKG=$WORK/pkg
 mkdir -p "$PKG" && ln -s "$ROOT" "$PKG/yoso_serve"  # the tree is the package yoso_serve (pyproject's package-dir)
 export PYTHONPATH=$PKG${PYTHONPATH:+:$PYTHONPATH} PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=/tmp/yoso_ext MAX_JOBS=${MAX_JOBS:-16}
-xz -dc "$KIT/train_docs.jsonl.xz" >"$WORK/train_docs.jsonl" || exit 1
+xzcopy "$KIT/train_docs.jsonl.xz" "$WORK/train_docs.jsonl" || exit 1
 export GPU_TRAIN_DATA=$WORK/train_docs.jsonl GPU_TRAIN_OUT=$WORK/run GPU_TRAIN_DEVICE=$DEVICE
 cd "$ROOT" || exit 1
 "$PY" - <<'PY' 2>&1 | tee "$OUTDIR/train.log"
