@@ -14,7 +14,7 @@ namespace {
 
 constexpr int kKeyTile = 16;    // keys staged per step of the staged schemes
 constexpr int kQueryTile = 64;  // queries staged per step of the staged schemes
-constexpr int kMicro = 4;       // register block edge of the table scheme
+constexpr int kMicro = 4;       // register block edge of the staged schemes
 
 struct WeightedArgs {
   const void* q_w;
@@ -27,31 +27,41 @@ struct WeightedArgs {
   float scale;
 };
 
+// The rows one (bh, hash) reads: q_w, k_w, v of row bh, and its sorted query and key indices.
+template <typename T>
+struct Rows {
+  const T *qw, *kw, *v;
+  const int32_t *qp, *kp;
+  __host__ __device__ Rows(const WeightedArgs& a, int64_t bh)
+      : qw(static_cast<const T*>(a.q_w) + bh * a.nq * a.dw),
+        kw(static_cast<const T*>(a.k_w) + bh * a.nk * a.dw),
+        v(static_cast<const T*>(a.v) + bh * a.nk * a.dv),
+        qp(a.q_perm + (bh * a.group + a.hs) * a.nq),
+        kp(a.k_perm + (bh * a.group + a.hs) * a.nk) {}
+};
+
 // A bucket too wide for shared-memory staging (dw above ~140): a warp per query walks the keys
 // from global memory, the weight by a shuffle reduction (broadcast from lane 0, so every column
 // uses the same rounded weight).
 template <typename T>
 __device__ void weighted_pairwise_wide(const WeightedArgs& a, int64_t bh, int qs, int qe, int ks, int ke) {
-  const T* qw = static_cast<const T*>(a.q_w) + bh * a.nq * a.dw;
-  const T* kw = static_cast<const T*>(a.k_w) + bh * a.nk * a.dw;
-  const T* v = static_cast<const T*>(a.v) + bh * a.nk * a.dv;
-  const int32_t* kp = a.k_perm + (bh * a.group + a.hs) * a.nk;
+  const Rows<T> in(a, bh);
   const int lane = threadIdx.x % 32;
   for (int p = qs + threadIdx.x / 32; p < qe; p += kWarps) {
-    const int64_t i = a.q_perm[(bh * a.group + a.hs) * a.nq + p];
+    const int64_t i = in.qp[p];
     float* o = a.out + (bh * a.nq + i) * a.dv;
     for (int64_t d0 = 0; d0 < a.dv; d0 += 128) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
       for (int pk = ks; pk < ke; ++pk) {
-        const int64_t j = kp[pk];
+        const int64_t j = in.kp[pk];
         float dot = 0.f;
-        for (int64_t w = lane; w < a.dw; w += 32) dot += load(qw, i * a.dw + w) * load(kw, j * a.dw + w);
+        for (int64_t w = lane; w < a.dw; w += 32) dot += load(in.qw, i * a.dw + w) * load(in.kw, j * a.dw + w);
         for (int off = 16; off > 0; off /= 2) dot += __shfl_down_sync(kFull, dot, off);
         dot = __shfl_sync(kFull, dot, 0);
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
           const int64_t d = d0 + lane + 32 * t;
-          if (d < a.dv) acc[t] += dot * load(v, j * a.dv + d);
+          if (d < a.dv) acc[t] += dot * load(in.v, j * a.dv + d);
         }
       }
 #pragma unroll
@@ -89,8 +99,21 @@ __host__ __device__ void stage(float* dst, int stride, const T* x, int64_t len, 
   });
 }
 
+// A thread's kMicro x kMicro register block, grown by outer products of two kMicro-vectors.
 struct Micro {
   float x[kMicro][kMicro];
+  __host__ __device__ __forceinline__ void zero() {
+    YOSO_UNROLL
+    for (int i = 0; i < kMicro; ++i)
+      YOSO_UNROLL
+      for (int j = 0; j < kMicro; ++j) x[i][j] = 0.f;
+  }
+  __host__ __device__ __forceinline__ void add_outer(const float (&a)[kMicro], const float (&b)[kMicro]) {
+    YOSO_UNROLL
+    for (int i = 0; i < kMicro; ++i)
+      YOSO_UNROLL
+      for (int j = 0; j < kMicro; ++j) x[i][j] += a[i] * b[j];
+  }
 };
 
 // One phase: out rows qp[qb + r] (r < nq) += scale * the threads' kMicro x kMicro blocks, the block
@@ -119,11 +142,7 @@ __host__ __device__ void weighted_pairwise(const WeightedArgs& a, int64_t bh, in
                                            float* smem) {
   const int cols = a.table_cols, dw = static_cast<int>(a.dw), rs = dw + 1, ss_stride = kKeyTile + 1;
   const Smem sm(smem, dw, cols);
-  const T* qw = static_cast<const T*>(a.q_w) + bh * a.nq * a.dw;
-  const T* kw = static_cast<const T*>(a.k_w) + bh * a.nk * a.dw;
-  const T* v = static_cast<const T*>(a.v) + bh * a.nk * a.dv;
-  const int32_t* kp = a.k_perm + (bh * a.group + a.hs) * a.nk;
-  const int32_t* qp = a.q_perm + (bh * a.group + a.hs) * a.nq;
+  const Rows<T> in(a, bh);
   static_assert(kQueryTile * kKeyTile == 4 * kThreads, "one 2 x 2 block of weights per thread");
   static_assert(kQueryTile / kMicro * (64 / kMicro) <= kThreads, "one output block per thread at 64 columns");
   PerThread<Micro> acc;
@@ -132,15 +151,12 @@ __host__ __device__ void weighted_pairwise(const WeightedArgs& a, int64_t bh, in
     const int tiles_d = (width + kMicro - 1) / kMicro, tiles = (kQueryTile / kMicro) * tiles_d;
     for (int qb = qs; qb < qe; qb += kQueryTile) {
       const int nqt = min32(kQueryTile, qe - qb);
-      stage(sm.qws, rs, qw, a.dw, 0, dw, qp, qb, nqt, kQueryTile);
-      each_thread([&](int tid) {
-        for (int i = 0; i < kMicro; ++i)
-          for (int j = 0; j < kMicro; ++j) acc[tid].x[i][j] = 0.f;
-      });
+      stage(sm.qws, rs, in.qw, a.dw, 0, dw, in.qp, qb, nqt, kQueryTile);
+      each_thread([&](int tid) { acc[tid].zero(); });
       for (int kb = ks; kb < ke; kb += kKeyTile) {
         const int n = min32(kKeyTile, ke - kb);
-        stage(sm.kws, rs, kw, a.dw, 0, dw, kp, kb, n, kKeyTile);
-        stage(sm.vs, cols, v, a.dv, d0, width, kp, kb, n, kKeyTile);
+        stage(sm.kws, rs, in.kw, a.dw, 0, dw, in.kp, kb, n, kKeyTile);
+        stage(sm.vs, cols, in.v, a.dv, d0, width, in.kp, kb, n, kKeyTile);
         block_sync();
         each_thread([&](int tid) {
           const int si = (tid / (kKeyTile / 2)) * 2, sj = (tid % (kKeyTile / 2)) * 2;
@@ -169,15 +185,12 @@ YOSO_UNROLL
               sv[i] = sm.ss[(r0 + i) * ss_stride + r];
               vv[i] = c0 + i < width ? sm.vs[r * cols + c0 + i] : 0.f;
             }
-YOSO_UNROLL
-            for (int i = 0; i < kMicro; ++i)
-YOSO_UNROLL
-              for (int j = 0; j < kMicro; ++j) acc[tid].x[i][j] += sv[i] * vv[j];
+            acc[tid].add_outer(sv, vv);
           }
         });
         block_sync();  // the next key tile (or query tile, or bucket) overwrites kws, vs, ss, qws
       }
-      write_blocks(a, bh, qp, qb, nqt, d0, width, tiles, acc);
+      write_blocks(a, bh, in.qp, qb, nqt, d0, width, tiles, acc);
     }
   }
 }
@@ -191,24 +204,17 @@ __host__ __device__ void weighted_table(const WeightedArgs& a, int64_t bh, int q
                                         float* smem) {
   const int cols = a.table_cols, dw = static_cast<int>(a.dw), rs = dw + 1;
   const Smem sm(smem, dw, cols);
-  const T* qw = static_cast<const T*>(a.q_w) + bh * a.nq * a.dw;
-  const T* kw = static_cast<const T*>(a.k_w) + bh * a.nk * a.dw;
-  const T* v = static_cast<const T*>(a.v) + bh * a.nk * a.dv;
-  const int32_t* kp = a.k_perm + (bh * a.group + a.hs) * a.nk;
-  const int32_t* qp = a.q_perm + (bh * a.group + a.hs) * a.nq;
+  const Rows<T> in(a, bh);
   const int tiles_w = (dw + kMicro - 1) / kMicro;
   PerThread<Micro> part;
   for (int64_t d0 = 0; d0 < a.dv; d0 += cols) {
     const int width = static_cast<int>(min64(cols, a.dv - d0));
     const int tiles_d = (width + kMicro - 1) / kMicro;
-    each_thread([&](int tid) {
-      for (int i = 0; i < kMicro; ++i)
-        for (int j = 0; j < kMicro; ++j) part[tid].x[i][j] = 0.f;
-    });
+    each_thread([&](int tid) { part[tid].zero(); });
     for (int kb = ks; kb < ke; kb += kKeyTile) {
       const int n = min32(kKeyTile, ke - kb);
-      stage(sm.kws, rs, kw, a.dw, 0, dw, kp, kb, n, n);
-      stage(sm.vs, cols, v, a.dv, d0, width, kp, kb, n, n);
+      stage(sm.kws, rs, in.kw, a.dw, 0, dw, in.kp, kb, n, n);
+      stage(sm.vs, cols, in.v, a.dv, d0, width, in.kp, kb, n, n);
       block_sync();
       each_thread([&](int tid) {
         if (tid >= tiles_w * tiles_d) return;
@@ -220,10 +226,7 @@ YOSO_UNROLL
             kv[i] = w0 + i < dw ? sm.kws[r * rs + w0 + i] : 0.f;
             vv[i] = t0 + i < width ? sm.vs[r * cols + t0 + i] : 0.f;
           }
-YOSO_UNROLL
-          for (int i = 0; i < kMicro; ++i)
-YOSO_UNROLL
-            for (int j = 0; j < kMicro; ++j) part[tid].x[i][j] += kv[i] * vv[j];
+          part[tid].add_outer(kv, vv);
         }
       });
       block_sync();
@@ -238,13 +241,14 @@ YOSO_UNROLL
     block_sync();
     for (int qb = qs; qb < qe; qb += kQueryTile) {
       const int n = min32(kQueryTile, qe - qb);
-      stage(sm.qws, rs, qw, a.dw, 0, dw, qp, qb, n, n);
+      stage(sm.qws, rs, in.qw, a.dw, 0, dw, in.qp, qb, n, n);
       block_sync();
       const int tiles_r = (n + kMicro - 1) / kMicro;
       each_thread([&](int tid) {
         for (int t = tid; t < tiles_r * tiles_d; t += kThreads) {
           const int r0 = (t / tiles_d) * kMicro, c0 = (t % tiles_d) * kMicro;
-          float acc[kMicro][kMicro] = {};
+          Micro acc;
+          acc.zero();
           for (int w = 0; w < dw; ++w) {
             float qv[kMicro], tv[kMicro];
 YOSO_UNROLL
@@ -252,16 +256,13 @@ YOSO_UNROLL
               qv[i] = r0 + i < n ? sm.qws[(r0 + i) * rs + w] : 0.f;
               tv[i] = c0 + i < width ? sm.tab[w * width + c0 + i] : 0.f;
             }
-YOSO_UNROLL
-            for (int i = 0; i < kMicro; ++i)
-YOSO_UNROLL
-              for (int j = 0; j < kMicro; ++j) acc[i][j] += qv[i] * tv[j];
+            acc.add_outer(qv, tv);
           }
           for (int i = 0; i < kMicro; ++i) {
             if (r0 + i >= n) continue;
-            float* o = a.out + (bh * a.nq + qp[qb + r0 + i]) * a.dv + d0 + c0;
+            float* o = a.out + (bh * a.nq + in.qp[qb + r0 + i]) * a.dv + d0 + c0;
             for (int j = 0; j < kMicro; ++j)
-              if (c0 + j < width) o[j] += a.scale * acc[i][j];
+              if (c0 + j < width) o[j] += a.scale * acc.x[i][j];
           }
         }
       });
