@@ -58,8 +58,7 @@ std::string message(std::initializer_list<MessagePiece> pieces) {
 }
 }  // namespace yoso
 
-// One tensor check for every binding of the extension (yoso_cpu_fused.cpp and yoso_cpu_finish.cpp
-// declare it too).
+// One tensor check for every binding of the extension (declared in yoso_check.h).
 void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank) {
   YOSO_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
   YOSO_CHECK(t.scalar_type() == dtype, name, " must be ", c10::toString(dtype), ", got ",

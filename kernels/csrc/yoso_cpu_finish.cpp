@@ -17,16 +17,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <vector>
 
 #include "yoso_check.h"
-
-// Defined in yoso_cpu.cpp: device, dtype, rank and contiguity (or, for a view, unit stride along D),
-// with messages that name the limit.
-void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank);
-void check_view(const torch::Tensor& t, const char* name);
-void run_without_gil(const std::function<void()>& kernel);  // yoso_cpu.cpp
 
 namespace {
 

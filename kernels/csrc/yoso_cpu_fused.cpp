@@ -14,7 +14,6 @@
 
 #include <ATen/Parallel.h>
 
-#include <functional>
 #include <utility>
 #include <vector>
 
@@ -22,11 +21,7 @@
 #include "yoso_cpu.h"
 #include "yoso_cpu_simd.h"
 
-// Defined in yoso_cpu.cpp: device, dtype, rank and contiguity (or, for a view, unit stride along D),
-// with messages that name the limit.
-void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank);
-void check_view(const torch::Tensor& t, const char* name);
-void run_without_gil(const std::function<void()>& kernel);  // yoso_cpu.cpp
+// Defined in yoso_cpu.cpp (beside the checks yoso_check.h declares).
 std::vector<torch::Tensor> int8_packed(const torch::Tensor& proj,
                                        const c10::optional<std::vector<torch::Tensor>>& packed);
 
