@@ -252,13 +252,14 @@ def yoso_attention(
         # A code is the sign pattern of x·w, the same for q and q̂: LSH inference needs no normalising.
         hashes = num_hashes if lsh else 0
         return kernels.fused(q, k, v, key_mask, hashes, hash_bits, seed, fast_hash, int8_hash).to(out_dtype)
-    # q̂ and k̂ only serve LSH mode's backward: a forward without gradients needs the codes alone
+    # q̂ and k̂ serve exact mode and LSH mode's backward: an LSH forward without gradients needs the codes alone
+    needs_hats = grads or not lsh
     q_hat, k_hat, values, keep = _prepare(q, k, v, key_mask, half_values=lsh and kernels.half_values,
-                                          normalize=grads or not lsh)
+                                          normalize=needs_hats)
     flat = (batch * heads, length, dim)
     # the C++ kernels take contiguous (BH, N, D) rows; a transposed (B, N, H, D) input is not
     v_flat = values.reshape(flat).contiguous()
-    if grads or not lsh:
+    if needs_hats:
         q_flat, k_flat = (t.reshape(flat).contiguous() for t in (q_hat, k_hat))
     if not lsh:
         exact_fn = kernels.exact or YosoExactFn.apply
