@@ -17,6 +17,14 @@
 #include <cstddef>
 #include <cstdint>
 
+// For the .cu files' __host__ __device__ bodies (tests run them on the CPU through host drivers):
+// loops unrolled on the device only, since g++ rejects nvcc's unroll pragma.
+#ifdef __CUDA_ARCH__
+#define YOSO_UNROLL _Pragma("unroll")
+#else
+#define YOSO_UNROLL
+#endif
+
 // Kernel-side limits, checked by the launchers (and quoted in their messages).
 constexpr int kYosoMaxHashBits = 16;
 constexpr int kYosoMaxRotateDim = 2048;  // P, the padded dimension of the fast rotation

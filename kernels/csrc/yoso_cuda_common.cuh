@@ -31,12 +31,6 @@ __host__ __device__ __forceinline__ int min32(int a, int b) { return a < b ? a :
 // runs the phase for this thread and block_sync is __syncthreads; compiled for the host, each_thread
 // runs the phase for every thread index in turn and block_sync does nothing, which is the same
 // computation for race-free code. Tests drive the host form on the CPU (tests/kernels/test_cuda_block.py).
-#ifdef __CUDA_ARCH__
-#define YOSO_UNROLL _Pragma("unroll")
-#else
-#define YOSO_UNROLL
-#endif
-
 __host__ __device__ __forceinline__ void block_sync() {
 #ifdef __CUDA_ARCH__
   __syncthreads();

@@ -37,13 +37,6 @@ constexpr int kRotateThreads = 128;    // the register kernel: one thread per (r
 constexpr int kHashesPerThread = 8;    // hashes one thread runs on its row, which stays in registers
 constexpr int kMaxRegisterRotateDim = 64;
 
-// The __host__ __device__ bodies below are unrolled on the device only (g++ rejects the pragma).
-#ifdef __CUDA_ARCH__
-#define YOSO_UNROLL _Pragma("unroll")
-#else
-#define YOSO_UNROLL
-#endif
-
 // Round-to-nearest products and sums that the compiler may not fuse (on the host, where the
 // tests check rotate_code against the Python reference, the products by ±1 are exact anyway).
 __host__ __device__ inline float rn_mul(float a, float b) {
