@@ -271,6 +271,12 @@ YOSO_UNROLL
   }
 }
 
+// The scheme of a bucket of nq queries and nk keys: pairwise costs nq*nk*(dw + dv), the table
+// (nq + nk)*dw*dv.
+__host__ __device__ inline bool pairwise_is_cheaper(int64_t nq, int64_t nk, int64_t dw, int64_t dv) {
+  return nq * nk * (dw + dv) <= (nq + nk) * dw * dv;
+}
+
 // One (bh, bucket) of one hash, by a whole block; returns having passed a barrier, so the block
 // may stage the next bucket into the same shared memory. `item` = bh * nb + bucket.
 template <typename T>
@@ -281,13 +287,11 @@ __host__ __device__ void weighted_bucket(const WeightedArgs& a, int64_t item, fl
   const int32_t* ko = a.k_off + (bh * a.group + a.hs) * (a.nb + 1);
   const int qs = qo[b], qe = qo[b + 1], ks = ko[b], ke = ko[b + 1];
   if (qs == qe || ks == ke) return;  // block-uniform
-  const int64_t pair_cost = int64_t(qe - qs) * (ke - ks) * (a.dw + a.dv);
-  const int64_t table_cost = int64_t(qe - qs + ke - ks) * a.dw * a.dv;
   if (a.table_cols == 0) {
 #ifdef __CUDA_ARCH__
     weighted_pairwise_wide<T>(a, bh, qs, qe, ks, ke);
 #endif
-  } else if (pair_cost <= table_cost) {
+  } else if (pairwise_is_cheaper(qe - qs, ke - ks, a.dw, a.dv)) {
     weighted_pairwise<T>(a, bh, qs, qe, ks, ke, smem);
   } else {
     weighted_table<T>(a, bh, qs, qe, ks, ke, smem);

@@ -75,7 +75,7 @@ template <typename T> int run(char** a) {
     for (long long item = 0; item < bh * nb; ++item) {
       const long long r = item / nb, b = item % nb, s = r * m + hs;
       const long long q = qo[s * (nb + 1) + b + 1] - qo[s * (nb + 1) + b], k = ko[s * (nb + 1) + b + 1] - ko[s * (nb + 1) + b];
-      if (q && k) (q * k * (dw + dv) <= (q + k) * dw * dv ? pairwise : table) += 1;
+      if (q && k) (pairwise_is_cheaper(q, k, dw, dv) ? pairwise : table) += 1;
       weighted_bucket<T>(w, item, smem.data());
     }
   }
