@@ -239,14 +239,12 @@ fi
 # ---- environment: the package from this tree, carried wheels, one extension cache ----
 mkdir -p "$OUTDIR"
 : >"$SUMMARY"
-PKG=$(mktemp -d)
-ln -s "$ROOT" "$PKG/yoso_serve"  # the tree is the package yoso_serve (pyproject's package-dir)
-export PYTHONPATH=$PKG${PYTHONPATH:+:$PYTHONPATH} PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+# shellcheck source=bench/gpu_env.sh
+. "$ROOT/bench/gpu_env.sh"
 if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$ROOT"/.whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
-export TORCH_EXTENSIONS_DIR=/tmp/yoso_ext MAX_JOBS=${MAX_JOBS:-16}
 TORCH_CUDA_ARCH_LIST=$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
 export TORCH_CUDA_ARCH_LIST
 SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

@@ -66,10 +66,8 @@ fi
 OUTDIR=${OUT:-$ROOT/bench/out/gpu-train}
 WORK=$(mktemp -d)
 mkdir -p "$OUTDIR"
-PKG=$WORK/pkg
-mkdir -p "$PKG" && ln -s "$ROOT" "$PKG/yoso_serve"  # the tree is the package yoso_serve (pyproject's package-dir)
-export PYTHONPATH=$PKG${PYTHONPATH:+:$PYTHONPATH} PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=/tmp/yoso_ext MAX_JOBS=${MAX_JOBS:-16}
+# shellcheck source=bench/gpu_env.sh
+. "$ROOT/bench/gpu_env.sh"
 xzcopy "$KIT/train_docs.jsonl.xz" "$WORK/train_docs.jsonl" || exit 1
 export GPU_TRAIN_DATA=$WORK/train_docs.jsonl GPU_TRAIN_OUT=$WORK/run GPU_TRAIN_DEVICE=$DEVICE
 cd "$ROOT" || exit 1
