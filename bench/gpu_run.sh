@@ -8,7 +8,7 @@
 #   bench/gpu_run.sh --link-facts      # how the built CUDA extension is linked (the build step runs it)
 #
 # The device tool copies the working tree (the 48 MB bundled model included) and allows 600 s
-# per command, so every step runs under its own limit (sum 560 s) and a step that fails or
+# per command, so every step runs under its own limit (sum 570 s) and a step that fails or
 # runs out of time is reported, never fatal. The GPU image has torch 2.11 and no fastapi,
 # uvicorn, pydantic or opentelemetry-api (fastapi needs it), a typing-extensions too old for
 # pydantic, and no network: `--fetch-wheels` puts those (about 3 MB) in .whl/, which
@@ -20,8 +20,8 @@
 #        sanitize compute-sanitizer memcheck over test_cuda.py's oracle cases (whole pytest run)
 #        attention bench/attention_cuda.py: YOSO-32 (atomic and deterministic) vs SDPA flash,
 #                and where YOSO-32's kernel time goes at 8192 and 65536 tokens
-#        model   the default model's docs/s at 4096 tokens in fp16: YOSO-32 vs the same weights
-#                with softmax (SDPA) attention
+#        model   the default model's docs/s at 4096 tokens in fp16: YOSO-32, YOSO-E (the op, and
+#                the fused FlexAttention kernel) vs the same weights with softmax (SDPA) attention
 #        serve   yoso-serve on CUDA, 128-token inputs over loopback HTTP: batching vs
 #                --max-batch-requests 1 (bench/load.py)
 #        onnx    ONNX Runtime's CUDA provider, if the installed onnxruntime has it
@@ -31,7 +31,7 @@ set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 STEPS_ALL=(build tests sanitize attention model serve onnx)
-declare -A LIMIT=([build]=140 [tests]=140 [sanitize]=60 [attention]=80 [model]=40 [serve]=80 [onnx]=20)
+declare -A LIMIT=([build]=140 [tests]=150 [sanitize]=40 [attention]=80 [model]=70 [serve]=70 [onnx]=20)
 # GPU_RUN_LIMIT_<STEP>=seconds overrides one step's limit (the CPU stand-in test needs more than a GPU)
 for s in "${!LIMIT[@]}"; do
   v="GPU_RUN_LIMIT_${s^^}"
@@ -112,6 +112,7 @@ import dataclasses, os, time
 import torch
 from yoso_serve.model import load_pretrained
 from yoso_serve.model.attention import build_attention
+from yoso_serve.model.attention.yoso import exact_kernel_info, set_exact_kernel
 from yoso_serve.model.default import BUNDLED_DIR
 from yoso_serve.model.encoder import YosoSelfAttention
 
@@ -125,23 +126,33 @@ ids = torch.randint(1000, 20000, (batch, tokens), device=device, generator=gen)
 mask = torch.ones_like(ids)
 
 
-def docs_per_s(repeats=5):
-    """Median docs/s of full forwards (the same ids each time) after two warm-ups."""
+def docs_per_s(hashes=32, repeats=5, warmups=2):
+    """Median docs/s of full forwards (the same ids each time) after the warm-ups; the last output;
+    the first call's seconds (compilations included)."""
     times = []
     with torch.inference_mode():
-        for i in range(2 + repeats):
+        for i in range(warmups + repeats):
             if device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            out = model.last_hidden(ids, mask, hashes=32)
+            out = model.last_hidden(ids, mask, hashes=hashes)
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
     assert bool(torch.isfinite(out).all()), "non-finite hidden states"
-    return batch / sorted(times[2:])[repeats // 2]
+    return batch / sorted(times[warmups:])[repeats // 2], out, times[0]
 
 
-yoso = docs_per_s()
+yoso = docs_per_s()[0]
+# exact mode (YOSO-E): the op (chunked PyTorch on CUDA), then the fused FlexAttention kernel
+exact_op, want, _ = docs_per_s(hashes=0, repeats=3, warmups=1)
+set_exact_kernel(model, "flex")
+exact_flex, got, first = docs_per_s(hashes=0, repeats=5, warmups=1)
+info = exact_kernel_info(model)
+gap = (got.float() - want.float()).abs().max().item()
+print(f"EXACT op {exact_op:.2f} docs/s, flex {exact_flex:.2f} docs/s (first call {first:.1f} s, compilation "
+      f"included), max |flex - op| of the last hidden states {gap:.2e}, {info}")
+set_exact_kernel(model, "op")
 if device == "cuda":  # where one YOSO-32 forward's GPU time goes: the next thing to speed up
     import sys
     from torch.profiler import ProfilerActivity, profile
@@ -157,9 +168,10 @@ if device == "cuda":  # where one YOSO-32 forward's GPU time goes: the next thin
 for module in model.modules():  # the same weights, SDPA softmax instead of YOSO in every layer
     if isinstance(module, YosoSelfAttention):
         module.core = build_attention(dataclasses.replace(module.config, attention_type="softmax", conv_window=None), 0)
-softmax = docs_per_s()
+softmax = docs_per_s()[0]
 print(f"RESULT {path.name} {str(dtype)[6:]}, {batch} x {tokens} tokens: YOSO-32 {yoso:.2f} docs/s, "
-      f"softmax {softmax:.2f} docs/s, YOSO/softmax {yoso / softmax:.2f}")
+      f"YOSO-E op {exact_op:.2f}, YOSO-E flex {exact_flex:.2f}{'' if 'exact_kernel_failure' not in info else ' (FAILED)'}, "
+      f"softmax {softmax:.2f} docs/s, YOSO-32/softmax {yoso / softmax:.2f}, flex/softmax {exact_flex / softmax:.2f}")
 PY
 )
 # The ONNX step: ONNX Runtime's CUDA provider against torch on CUDA, fp32, 8 x 512 tokens.
@@ -211,7 +223,7 @@ SUMMARY=/tmp/gpu_run_summary.tsv  # not under $OUT: the device tool brings back 
 step_cmd() {  # the shell command of one step (run from $ROOT with the environment set below)
   case "$1" in
     build) echo "\$PY -c 'import json; from yoso_serve.kernels import _build; i = _build.backend_info(); print(json.dumps(i)); raise SystemExit(i[\"backend\"] != \"cuda\")' && bash bench/gpu_run.sh --link-facts" ;;
-    tests) echo "\$PY -m pytest -q tests/kernels/test_cuda.py tests/zoo/test_cores.py::test_yoso_core_in_fp16_normalises_before_the_sum_can_overflow" ;;
+    tests) echo "\$PY -m pytest -q tests/kernels/test_cuda.py tests/kernels/test_flex.py tests/zoo/test_cores.py::test_yoso_core_in_fp16_normalises_before_the_sum_can_overflow" ;;
     sanitize) echo "\$SANITIZER --tool=memcheck --error-exitcode=3 \$PY -m pytest -q -x tests/kernels/test_cuda.py -k 'equals_torch_op or batch_invariance or out_of_range'" ;;
     attention) echo "\$PY bench/attention_cuda.py --lengths 1024 8192 32768 65536 --hashes 32 --repeats 5 --plot \$OUTDIR/attention_cuda.png --profile 8192 65536" ;;
     model) echo "\$PY -c \"\$MODEL_PY\"" ;;

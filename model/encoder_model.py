@@ -15,6 +15,7 @@ from torch import nn
 from yoso_serve.kernels import backend_info
 from yoso_serve.kernels._build import int8_hashing_body
 
+from .attention.yoso import exact_kernel_info
 from .config import POOLINGS, EncoderConfig
 from .encoder import YosoEncoder
 from .heads import ClassificationHead, MaskedLMHead
@@ -64,10 +65,12 @@ class EncoderModel(nn.Module):
     def backend_info(self) -> dict:
         """Which attention kernels run (C++/CUDA or pure PyTorch) and why, how LSH codes are computed
         (``hashing``: "fp32", or "int8" with the C++ body that runs it) and the dense layers' CPU GEMMs
-        (``dense``: "fp32" or "bf16", see ``set_dense_dtype``): what /info shows."""
+        (``dense``: "fp32" or "bf16", see ``set_dense_dtype``) and exact mode's kernel (``exact_kernel``: "op"
+        or "flex", see ``set_exact_kernel``): what /info shows."""
         info = backend_info()
         info["hashing"] = "int8" if self.config.hash_int8 else "fp32"
         info["dense"] = "bf16" if any(getattr(m, "bf16", False) for m in self.modules()) else "fp32"
+        info.update(exact_kernel_info(self))
         if self.config.hash_int8:
             info["int8_hashing_body"] = int8_hashing_body()
         return info

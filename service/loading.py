@@ -170,6 +170,8 @@ def load_served_model(settings: ServeSettings) -> LoadedModel:
         return LoadedModel(load_onnx(settings.model, device=device), "onnx", "--runtime onnx")
     path = Path(settings.model or default_model_dir())
     model = load_pretrained(path, device=device)
+    if settings.resolved_exact_kernel() == "flex":
+        _use_flex(model)
     if settings.runtime != "hybrid":  # torch serves it: its CPU GEMMs at --dense-dtype (CUDA ignores it)
         set_dense_dtype(model, settings.resolved_dense_dtype())
     if settings.runtime == "torch":
@@ -181,6 +183,19 @@ def load_served_model(settings: ServeSettings) -> LoadedModel:
     reason = AUTO_REASONS[device]
     log.info("runtime torch: %s", reason)
     return LoadedModel(model, "torch", reason)
+
+
+def _use_flex(model) -> None:
+    """Exact mode through the fused kernel, every length bucket compiled now (a failure is logged and
+    the op serves: /info's backend says which runs)."""
+    import time
+
+    from yoso_serve.model.attention.yoso import set_exact_kernel, warm_exact_kernel
+
+    set_exact_kernel(model, "flex")
+    start = time.perf_counter()
+    buckets = warm_exact_kernel(model, model.config.max_length)
+    log.info("exact kernel flex: %d length buckets compiled in %.1f s", buckets, time.perf_counter() - start)
 
 
 def _load_hybrid(model, path: Path, served: int, device: str) -> LoadedModel:

@@ -87,6 +87,12 @@ class ServeSettings(BaseSettings):
         "speed of a forward where the CPU has bf16 instructions (AVX512-BF16 or AMX), embeddings within about "
         "1e-3 of fp32 and retrieval unchanged (docs/benchmarks.md, \"Dense layers\"). auto = bf16 on such a "
         "CPU, else fp32.")
+    exact_kernel: Literal["auto", "op", "flex"] = Field(
+        "auto", description="Kernel of exact mode (0 hashes: queries and short texts under auto, every input at "
+        "--hashes 0) in the torch runtime. op = the attention op (C++ on CPU, chunked PyTorch on CUDA). flex = "
+        "one fused FlexAttention kernel compiled by torch.compile, CUDA with Triton only: the same embeddings "
+        "to within fp16 rounding, every 256-token length bucket compiled before the server turns ready. "
+        "auto = op, until flex is measured on a GPU (docs/cuda.md, \"Exact mode as one fused kernel\").")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Server log level.")
     log_texts: bool = Field(False, description="Log input texts (debugging only; off by default).")
@@ -109,6 +115,12 @@ class ServeSettings(BaseSettings):
     def _check_start(self) -> "ServeSettings":
         from .loading import check_hybrid_serving, check_onnx_serving  # loading.py reads these settings
 
+        if self.exact_kernel == "flex":
+            if self.runtime == "onnx":
+                raise ValueError("--exact-kernel flex is a torch kernel; --runtime onnx never runs it")
+            if self.resolved_device() != "cuda":
+                raise ValueError("--exact-kernel flex runs on CUDA only (on a CPU the C++ exact kernel is 4-5x "
+                                 "faster than FlexAttention); use --exact-kernel op or --device cuda")
         if self.runtime == "onnx":
             check_onnx_serving(self.model, self.hashes)
         if self.runtime == "hybrid":
@@ -143,6 +155,10 @@ class ServeSettings(BaseSettings):
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_exact_kernel(self) -> str:
+        """``exact_kernel`` made concrete: ``auto`` is the op everywhere until flex is measured on a GPU."""
+        return "op" if self.exact_kernel == "auto" else self.exact_kernel
 
     def resolved_dense_dtype(self) -> str:
         """``dense_dtype`` made concrete: ``auto`` is bf16 where the CPU multiplies bf16 in hardware."""

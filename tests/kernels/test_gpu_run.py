@@ -93,7 +93,7 @@ def table(stdout: str) -> dict[str, list[str]]:
     return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows}
 
 
-@pytest.mark.slow  # loads the bundled model three times: about a minute on two shared cores
+@pytest.mark.slow  # loads the bundled model three times and compiles the flex kernel: minutes on two shared cores
 def test_each_step_becomes_a_row_of_the_final_table(claims_a_gpu, tmp_path):
     env = {"PYTHON": str(claims_a_gpu), "OUT": str(tmp_path / "out"), "GPU_RUN_DEVICE": "cpu",
            "GPU_RUN_TOKENS": "32", "GPU_RUN_BATCH": "2", "GPU_RUN_LIMIT_MODEL": "240"}
@@ -104,8 +104,12 @@ def test_each_step_becomes_a_row_of_the_final_table(claims_a_gpu, tmp_path):
     assert list(rows) == ["model", "onnx"]
     status, _, figure = rows["model"]
     assert status == "ok"
-    assert re.fullmatch(r"yoso-minilm-l6-4096 float32, 2 x 32 tokens: YOSO-32 [0-9.]+ docs/s, softmax [0-9.]+ "
-                        r"docs/s, YOSO/softmax [0-9.]+", figure), figure
+    assert re.fullmatch(r"yoso-minilm-l6-4096 float32, 2 x 32 tokens: YOSO-32 [0-9.]+ docs/s, YOSO-E op [0-9.]+, "
+                        r"YOSO-E flex [0-9.]+, softmax [0-9.]+ docs/s, YOSO-32/softmax [0-9.]+, flex/softmax [0-9.]+",
+                        figure), figure
+    exact = re.search(r"^EXACT .*max \|flex - op\| of the last hidden states (\S+), (.*)$",
+                      (tmp_path / "out" / "model.log").read_text(), flags=re.M)
+    assert exact and float(exact[1]) < 1e-4 and exact[2] == "{'exact_kernel': 'flex'}", exact and exact[0]
     assert rows["onnx"][0] == "skipped" and "no CUDAExecutionProvider" in rows["onnx"][2]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.log", "onnx.log"]
 
