@@ -98,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-temperature", type=bounded(float, 0, lo_open=True), default=0.5,
                    help="the target's logits are the log kernel mean divided by this")
     p.add_argument("--kernel-tokens", type=bounded(int, 1), default=64, help="piece size of --w-kernel's kernel mean")
+    p.add_argument("--cut-negatives", action="store_true",
+                   help="each crop also read with its spans' blocks cut out: a negative for its own spans that "
+                        "differs from their document only by them")
     p.add_argument("--save-fp16", action="store_true", help="store model/ in fp16 (the bundled format)")
     add_common_arguments(p, lr=2e-5, batch_size=4, epochs=1, dropout=0.0)
 
@@ -331,13 +334,22 @@ class LongDocLoss(nn.Module):
         spans, first, rest = short[:n_spans], short[n_spans:n_spans + n_pairs], short[n_spans + n_pairs:]
         scale = self.log_scale.exp().clamp(max=100.0)
         span_doc = batch["span_doc"]  # (S,) index of each span's document in the batch
+        logs: dict[str, float] = {}
         # span → document: the batch's documents, then the queue (minus copies of this batch's documents)
         stale = (self.queue_keys[None, :] == batch["doc_keys"][:, None]).any(0) | (self.queue_keys < 0)
         queue = self.queue[~stale]
         if self.w_kernel:
             pieces, valid = self.unit_pieces(hidden, batch["attention_mask"])
         if n_spans:
-            q2d = F.cross_entropy(scale * spans @ torch.cat([docs, queue]).T, span_doc)
+            logits = scale * spans @ torch.cat([docs, queue]).T
+            if "cut_ids" in batch:  # a span's own document with its blocks cut out: the nearest negative
+                cut = scale * spans @ self.embed(batch["cut_ids"], batch["cut_mask"], int(batch["doc_hashes"])).T
+                with torch.no_grad():  # how often a span prefers its whole document to the document without it
+                    own = batch["cut_doc"][None, :] == span_doc[:, None]
+                    own_cut = cut.masked_fill(~own, -math.inf).amax(-1)  # every span's document has its cut copy
+                    logs["cut_win"] = float((logits.gather(1, span_doc[:, None])[:, 0] > own_cut).float().mean())
+                logits = torch.cat([logits, cut], dim=1)
+            q2d = F.cross_entropy(logits, span_doc)
             # document → span: each span against every span of the batch but its document's other spans
             logits = scale * docs[span_doc] @ spans.T  # (S, S): row r is the document of span r
             others = (span_doc[:, None] == span_doc[None, :]) & ~torch.eye(n_spans, dtype=torch.bool,
@@ -351,13 +363,12 @@ class LongDocLoss(nn.Module):
         loss_short = (F.cross_entropy(pair, target) + F.cross_entropy(pair.T, target)) / 2
         loss_distill = (1.0 - (short * F.normalize(batch["t_short"], dim=-1)).sum(-1)).mean()
         loss = loss_long + self.w_short * loss_short + self.w_distill * loss_distill
-        logs = {}
         if self.w_kernel and n_spans:
             loss_kernel, kernel_top1 = self.kernel_loss(
                 spans, torch.cat([docs, queue]), torch.cat([pieces, self.queue_pieces[~stale]]),
                 torch.cat([valid, self.queue_piece_valid[~stale]]), scale, span_doc)
             loss = loss + self.w_kernel * loss_kernel
-            logs = {"kernel_loss": float(loss_kernel.detach()), "kernel_top1": float(kernel_top1)}
+            logs |= {"kernel_loss": float(loss_kernel.detach()), "kernel_top1": float(kernel_top1)}
         self.push(docs.detach(), batch["doc_keys"], *((pieces, valid) if self.w_kernel else ()))
         if self.w_segment and n_spans:
             size = int(batch.get("segment_tokens", self.segment))
@@ -469,14 +480,19 @@ def run(args: argparse.Namespace) -> int:
         rng = random.Random(args.seed * 1_000_003 + trainer.step * 997 + trainer.batch_in_epoch)
         length = crop_length(stages, trainer.step, trainer.total_steps) - 2
         source = rng.choices(sources, weights=[weights[s] for s in sources])[0]
-        docs, spans, span_doc, keys, where = [], [], [], [], []
+        docs, spans, span_doc, keys, where, cuts, cut_doc = [], [], [], [], [], [], []
         for d in step_documents(rng, corpus, source, args.batch_size, args.neighbourhood, mined):
             total = sum(len(ids) for ids in corpus.ids[d])
             lo = rng.randrange(total - length + 1) if total > length else 0
             flat = [t for ids in corpus.ids[d] for t in ids][lo:lo + length]
+            before = len(where)
             for span in draw_spans(rng, corpus, d, lo, lo + length, args.spans_per_doc, where):
                 spans.append(span)
                 span_doc.append(len(docs))
+            if args.cut_negatives and len(where) > before:
+                cut = set().union(*(range(a, z) for a, z in where[before:]))
+                cuts.append(tok.wrap([t for i, t in enumerate(flat) if i not in cut]))
+                cut_doc.append(len(docs))
             docs.append(tok.wrap(flat))
             keys.append(corpus.keys[d])
         pairs = rng.sample(corpus.pairs, args.short_pairs)
@@ -492,6 +508,9 @@ def run(args: argparse.Namespace) -> int:
                  "doc_keys": torch.tensor([hash_key(k) for k in keys]),
                  "doc_hashes": torch.tensor(rng.choice(doc_hashes)), "query_hashes": torch.tensor(rng.choice(query_hashes)),
                  "fresh_seed": torch.tensor(rng.randrange(1, 1 << 30))}
+        if cuts:
+            batch["cut_ids"], batch["cut_mask"] = pad(cuts, tok.pad_id)
+            batch["cut_doc"] = torch.tensor(cut_doc, dtype=torch.long)
         if args.w_segment and len(segment_sizes) > 1:  # drawn last: the draws above stay those of one size
             batch["segment_tokens"] = torch.tensor(rng.choice(segment_sizes))
         return batch

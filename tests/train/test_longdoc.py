@@ -628,3 +628,34 @@ def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, w
     assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
                  "--window", "16", "--query-draws", "0", "--out", str(tmp_path / "bad0")]) == 2
     assert "--query-draws must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_cut_negatives_read_each_crop_without_its_span_blocks(tiny_bert, tiny_yoso, docs_file, tmp_path):
+    """--cut-negatives: every crop is read a second time with its spans' blocks cut out, a negative of its own
+    spans; the log says how often a span prefers its whole document to the cut one."""
+    out = tmp_path / "cut"
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "16", "--cut-negatives")) == 0
+    rows = read_events(out, "train")
+    wins = [r["cut_win"] for r in rows if "cut_win" in r]
+    assert len(wins) >= 12 and all(0.0 <= w <= 1.0 for w in wins)
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert mean(rows[-4:], "long_loss") < mean(rows[:4], "long_loss")
+
+
+def test_a_cut_copy_is_its_crop_less_exactly_the_span_blocks(tiny_bert, tiny_yoso, docs_file, tmp_path, monkeypatch):
+    from yoso_serve.model.train import longdoc
+
+    seen = []
+    real = longdoc.LongDocLoss.forward
+    monkeypatch.setattr(longdoc.LongDocLoss, "forward", lambda self, batch: seen.append(batch) or real(self, batch))
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "cut", "--max-steps", "3",
+                             "--cut-negatives")) == 0
+    for batch in seen:
+        doc_len, cut_len = batch["attention_mask"].sum(1), batch["cut_mask"].sum(1)
+        for i, d in enumerate(batch["cut_doc"].tolist()):
+            blocks = [(lo, hi) for lo, hi, s in zip(batch["span_lo"].tolist(), batch["span_hi"].tolist(),
+                                                     batch["span_doc"].tolist()) if s == d]
+            cut = set().union(*(range(lo, hi) for lo, hi in blocks))
+            assert cut_len[i] == doc_len[d] - len(cut)
+            keep = [p for p in range(int(doc_len[d])) if p not in cut]
+            assert batch["cut_ids"][i, : int(cut_len[i])].tolist() == batch["input_ids"][d, keep].tolist()
