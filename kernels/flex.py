@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import shutil
 import threading
 
 import torch
@@ -49,6 +51,8 @@ def unavailable(device: torch.device | str) -> str | None:
         return f"this torch ({torch.__version__}) has no FlexAttention: {exc}"
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:
         return "torch.compile needs Triton for CUDA kernels and it is not installed"
+    if device.type == "cuda" and not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+        return "Triton builds its kernel launcher with a C compiler (CC, gcc or clang) and none is on PATH"
     if device.type not in ("cuda", "cpu"):
         return f"FlexAttention compiles for CUDA and CPU, not {device.type}"
     return None

@@ -121,6 +121,10 @@ class ServeSettings(BaseSettings):
             if self.resolved_device() != "cuda":
                 raise ValueError("--exact-kernel flex runs on CUDA only (on a CPU the C++ exact kernel is 4-5x "
                                  "faster than FlexAttention); use --exact-kernel op or --device cuda")
+            from yoso_serve.kernels import flex
+
+            if (why := flex.unavailable("cuda")) is not None:
+                raise ValueError(f"--exact-kernel flex cannot run here: {why}; use --exact-kernel op")
         if self.runtime == "onnx":
             check_onnx_serving(self.model, self.hashes)
         if self.runtime == "hybrid":

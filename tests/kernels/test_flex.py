@@ -144,3 +144,18 @@ def test_flex_on_cuda_equals_exact_mode(dtype, atol):
         out = flex.exact_attention_flex(q.cuda().to(dtype), k.cuda().to(dtype), v.cuda().to(dtype), keep.cuda(), 8)
     want = oracle_rows(q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), keep.double(), 8)
     torch.testing.assert_close(F.normalize(out.double(), dim=-1).cpu(), want, rtol=0, atol=atol)
+
+
+def test_cuda_needs_triton_and_a_c_compiler(monkeypatch):
+    import importlib.util
+
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "triton" else real_find(name))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert "C compiler (CC, gcc or clang)" in flex.unavailable("cuda")
+    monkeypatch.setenv("CC", "cc")
+    assert flex.unavailable("cuda") is None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "triton" else real_find(name))
+    assert "needs Triton" in flex.unavailable("cuda")
+    assert "not mps" in flex.unavailable("mps")
