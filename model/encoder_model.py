@@ -71,6 +71,7 @@ class EncoderModel(nn.Module):
         info["hashing"] = "int8" if self.config.hash_int8 else "fp32"
         info["dense"] = "bf16" if any(getattr(m, "bf16", False) for m in self.modules()) else "fp32"
         info.update(exact_kernel_info(self))
+        info["dtype"] = str(next(self.parameters()).dtype).removeprefix("torch.")
         if self.config.hash_int8:
             info["int8_hashing_body"] = int8_hashing_body()
         return info
@@ -95,11 +96,12 @@ class EncoderModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
               hashes: int | None = None, pooling: str | None = None) -> torch.Tensor:
-        """Pooled (not normalised) embeddings (B, hidden): mean over real tokens, or the first token."""
+        """Pooled (not normalised) fp32 embeddings (B, hidden): mean over real tokens, or the first token."""
         pooling = pooling or self.config.pooling
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        hidden = self.last_hidden(input_ids, attention_mask, hashes=hashes)
+        # pooled in fp32: a 4096-token sum of fp16 states can pass fp16's 65504
+        hidden = self.last_hidden(input_ids, attention_mask, hashes=hashes).float()
         if pooling == "cls":
             return hidden[:, 0]
         if attention_mask is None:

@@ -161,6 +161,8 @@ def load_served_model(settings: ServeSettings) -> LoadedModel:
     With ``hybrid`` this exports the model into the cache when no export is there yet (seconds for
     the default model), so it runs before the server turns ready; any failure raises.
     """
+    import torch
+
     from yoso_serve.model import default_model_dir, load_pretrained
     from yoso_serve.model.encoder import set_dense_dtype
     from yoso_serve.model.onnx_runtime import load_onnx
@@ -169,7 +171,7 @@ def load_served_model(settings: ServeSettings) -> LoadedModel:
     if settings.runtime == "onnx":  # settings checked that --model is an exported directory
         return LoadedModel(load_onnx(settings.model, device=device), "onnx", "--runtime onnx")
     path = Path(settings.model or default_model_dir())
-    model = load_pretrained(path, device=device)
+    model = load_pretrained(path, device=device, dtype=getattr(torch, settings.resolved_dtype()))
     if settings.resolved_exact_kernel() == "flex":
         _use_flex(model)
     if settings.runtime != "hybrid":  # torch serves it: its CPU GEMMs at --dense-dtype (CUDA ignores it)

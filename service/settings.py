@@ -87,6 +87,10 @@ class ServeSettings(BaseSettings):
         "speed of a forward where the CPU has bf16 instructions (AVX512-BF16 or AMX), embeddings within about "
         "1e-3 of fp32 and retrieval unchanged (docs/benchmarks.md, \"Dense layers\"). auto = bf16 on such a "
         "CPU, else fp32.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="Weights and activations of the torch runtime on CUDA. auto = float16 on CUDA (what "
+        "text-embeddings-inference serves there), float32 on CPU, where --dense-dtype picks the precision of the "
+        "matrix products instead. float16 and bfloat16 need CUDA and the torch runtime.")
     exact_kernel: Literal["auto", "op", "flex"] = Field(
         "auto", description="Kernel of exact mode (0 hashes: queries and short texts under auto, every input at "
         "--hashes 0) in the torch runtime. op = the attention op (C++ on CPU, chunked PyTorch on CUDA). flex = "
@@ -115,6 +119,13 @@ class ServeSettings(BaseSettings):
     def _check_start(self) -> "ServeSettings":
         from .loading import check_hybrid_serving, check_onnx_serving  # loading.py reads these settings
 
+        if self.dtype in ("float16", "bfloat16"):
+            if self.runtime not in ("auto", "torch"):
+                raise ValueError(f"--dtype {self.dtype} is for the torch runtime; --runtime {self.runtime} runs "
+                                 "float32")
+            if self.resolved_device() != "cuda":
+                raise ValueError(f"--dtype {self.dtype} is for CUDA; on a CPU --dense-dtype bf16 runs the matrix "
+                                 "products in bf16 and keeps the rest float32")
         if self.exact_kernel == "flex":
             if self.runtime == "onnx":
                 raise ValueError("--exact-kernel flex is a torch kernel; --runtime onnx never runs it")
@@ -159,6 +170,12 @@ class ServeSettings(BaseSettings):
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        """``dtype`` made concrete: ``auto`` is float16 for the torch runtime on CUDA, else float32."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float16" if self.resolved_device() == "cuda" and self.runtime in ("auto", "torch") else "float32"
 
     def resolved_exact_kernel(self) -> str:
         """``exact_kernel`` made concrete: ``auto`` is the op everywhere until flex is measured on a GPU."""

@@ -35,7 +35,7 @@ NON_DEFAULT = {
     "YOSO_MAX_WAIT_MS": "1.5",
     "YOSO_MAX_QUEUE_TOKENS": "1000", "YOSO_MAX_CLIENT_BATCH_SIZE": "8", "YOSO_MAX_INPUT_LENGTH": "128",
     "YOSO_PAYLOAD_LIMIT": "1000", "YOSO_REQUEST_TIMEOUT": "5", "YOSO_THREADS": "1", "YOSO_DEVICE": "cpu",
-    "YOSO_RUNTIME": "torch", "YOSO_DENSE_DTYPE": "fp32", "YOSO_EXACT_KERNEL": "op", "YOSO_LOG_LEVEL": "debug", "YOSO_LOG_TEXTS": "true", "YOSO_CHUNK_OVERLAP": "8",
+    "YOSO_RUNTIME": "torch", "YOSO_DENSE_DTYPE": "fp32", "YOSO_EXACT_KERNEL": "op", "YOSO_DTYPE": "float32", "YOSO_LOG_LEVEL": "debug", "YOSO_LOG_TEXTS": "true", "YOSO_CHUNK_OVERLAP": "8",
     "YOSO_DRAIN_TIMEOUT": "5",
 }
 
@@ -79,6 +79,8 @@ def test_every_setting_has_a_flag_and_an_env_var(monkeypatch, tmp_path):
     ([], {"YOSO_DRAIN_TIMEOUT": "inf"}, "--drain-timeout / YOSO_DRAIN_TIMEOUT: Input should be less than or equal"),
     (["--drain-timeout", "1e30"], {}, "--drain-timeout / YOSO_DRAIN_TIMEOUT: Input should be less than or equal"),
     (["--metrics-port", "8080"], {}, "--metrics-port 8080 is --port too"),
+    (["--dtype", "float16", "--device", "cpu"], {}, "--dtype float16 is for CUDA; on a CPU --dense-dtype bf16"),
+    (["--dtype", "bfloat16", "--runtime", "hybrid"], {}, "--dtype bfloat16 is for the torch runtime; --runtime hybrid"),
     (["--exact-kernel", "flex", "--device", "cpu"], {}, "--exact-kernel flex runs on CUDA only (on a CPU the C++ exact kernel is 4-5x"),
     (["--exact-kernel", "flex", "--runtime", "onnx"], {}, "--exact-kernel flex is a torch kernel; --runtime onnx never"),
 ])
