@@ -114,7 +114,6 @@ def exact_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_
     return out[:, :, :n].float().mul_(keep[:, None, :, None])
 
 
-
 def buckets(max_tokens: int) -> range:
     """The padded lengths that serve inputs of 1 … ``max_tokens`` tokens."""
     return range(LENGTH_STEP, padded_length(max_tokens) + 1, LENGTH_STEP)
