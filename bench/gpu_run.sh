@@ -146,13 +146,18 @@ def docs_per_s(hashes=32, repeats=5, warmups=2):
 yoso = docs_per_s()[0]
 # exact mode (YOSO-E): the op (chunked PyTorch on CUDA), then the fused FlexAttention kernel
 exact_op, want, _ = docs_per_s(hashes=0, repeats=3, warmups=1)
-set_exact_kernel(model, "flex")
-exact_flex, got, first = docs_per_s(hashes=0, repeats=5, warmups=1)
-info = exact_kernel_info(model)
-gap = (got.float() - want.float()).abs().max().item()
-print(f"EXACT op {exact_op:.2f} docs/s, flex {exact_flex:.2f} docs/s (first call {first:.1f} s, compilation "
-      f"included), max |flex - op| of the last hidden states {gap:.2e}, {info}")
-set_exact_kernel(model, "op")
+try:
+    set_exact_kernel(model, "flex")
+except ValueError as exc:  # no Triton or no C compiler: the other figures still count
+    exact_flex, info = float("nan"), {"exact_kernel_failure": str(exc)}
+    print(f"EXACT op {exact_op:.2f} docs/s, flex unavailable: {exc}")
+else:
+    exact_flex, got, first = docs_per_s(hashes=0, repeats=5, warmups=1)
+    info = exact_kernel_info(model)
+    gap = (got.float() - want.float()).abs().max().item()
+    print(f"EXACT op {exact_op:.2f} docs/s, flex {exact_flex:.2f} docs/s (first call {first:.1f} s, compilation "
+          f"included), max |flex - op| of the last hidden states {gap:.2e}, {info}")
+    set_exact_kernel(model, "op")
 if device == "cuda":  # where one YOSO-32 forward's GPU time goes: the next thing to speed up
     import sys
     from torch.profiler import ProfilerActivity, profile
@@ -223,7 +228,7 @@ SUMMARY=/tmp/gpu_run_summary.tsv  # not under $OUT: the device tool brings back 
 step_cmd() {  # the shell command of one step (run from $ROOT with the environment set below)
   case "$1" in
     build) echo "\$PY -c 'import json; from yoso_serve.kernels import _build; i = _build.backend_info(); print(json.dumps(i)); raise SystemExit(i[\"backend\"] != \"cuda\")' && bash bench/gpu_run.sh --link-facts" ;;
-    tests) echo "\$PY -m pytest -q tests/kernels/test_cuda.py tests/kernels/test_flex.py tests/zoo/test_cores.py::test_yoso_core_in_fp16_normalises_before_the_sum_can_overflow" ;;
+    tests) echo "\$PY -m pytest -q tests/kernels/test_cuda.py tests/kernels/test_flex.py::test_flex_on_cuda_equals_exact_mode tests/zoo/test_cores.py::test_yoso_core_in_fp16_normalises_before_the_sum_can_overflow" ;;
     sanitize) echo "\$SANITIZER --tool=memcheck --error-exitcode=3 \$PY -m pytest -q -x tests/kernels/test_cuda.py -k 'equals_torch_op or batch_invariance or out_of_range'" ;;
     attention) echo "\$PY bench/attention_cuda.py --lengths 1024 8192 32768 65536 --hashes 32 --repeats 5 --plot \$OUTDIR/attention_cuda.png --profile 8192 65536" ;;
     model) echo "\$PY -c \"\$MODEL_PY\"" ;;
