@@ -1,10 +1,12 @@
-"""What the bench scripts share: ``--write-docs`` (replace one ``## `` section of docs/benchmarks.md)
-and the machine line every table is printed with."""
+"""What the bench scripts share: ``--write-docs`` (replace one ``## `` section of docs/benchmarks.md),
+the machine line every table is printed with, and alternated timing."""
 
 from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -42,3 +44,22 @@ def machine() -> str:
 
     return (f"{cpu_name()}, {os.cpu_count()} cores visible, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads), Python {platform.python_version()}, CPU only")
+
+
+def alternated_medians(calls: dict, repeats: int, sync=None) -> dict:
+    """Median seconds of each of ``calls`` (name → no-argument callable): one warm-up call each, then
+    ``repeats`` rounds calling them in turn, so that machine-load drift hits all of them alike. ``sync``,
+    if given, runs before each clock reading (torch.cuda.synchronize for GPU work)."""
+    for call in calls.values():
+        call()
+    times: dict = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            if sync:
+                sync()
+            start = time.perf_counter()
+            call()
+            if sync:
+                sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}

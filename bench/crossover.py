@@ -26,11 +26,10 @@ import math
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent))
-from _sections import machine, write_section  # noqa: E402
+from _sections import alternated_medians, machine, write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out" / "crossover.json"
@@ -47,17 +46,11 @@ def time_point(model, batch: int, n: int, lsh: int, repeats: int) -> dict:
     gen = torch.Generator().manual_seed(n * 31 + batch)
     ids = torch.randint(1000, 20000, (batch, n), generator=gen)
     mask = torch.ones_like(ids)
-    times: dict[int, list[float]] = {0: [], lsh: []}
+    # the warm-up call of each: allocator, extension and thread pool at this shape
+    calls = {hashes: (lambda hashes=hashes: model.embed(ids, mask, hashes=hashes)) for hashes in (0, lsh)}
     with torch.inference_mode():
-        for hashes in times:  # warm-up: allocator, extension and thread pool at this shape
-            model.embed(ids, mask, hashes=hashes)
-        for _ in range(repeats):
-            for hashes in times:
-                start = time.perf_counter()
-                model.embed(ids, mask, hashes=hashes)
-                times[hashes].append(time.perf_counter() - start)
-    return {"batch": batch, "n": n, "exact_s": statistics.median(times[0]), "lsh_s": statistics.median(times[lsh]),
-            "lsh": lsh}
+        times = alternated_medians(calls, repeats)
+    return {"batch": batch, "n": n, "exact_s": times[0], "lsh_s": times[lsh], "lsh": lsh}
 
 
 def crossover(rows: list[dict]) -> float | None:

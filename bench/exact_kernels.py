@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from yoso_serve.kernels import flex, yoso_attention
 
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+sys.path.append(str(Path(__file__).resolve().parent))
+from _sections import alternated_medians  # noqa: E402
 
 
 def one_run(device: str, lengths: list[int], repeats: int, dtype: torch.dtype) -> dict[int, tuple[float, float]]:
@@ -37,18 +36,9 @@ def one_run(device: str, lengths: list[int], repeats: int, dtype: torch.dtype) -
             "op": lambda: yoso_attention(q, k, v, None, num_hashes=0, hash_bits=8, seed=0, exact=True),
             "flex": lambda: flex.exact_attention_flex(q, k, v, None, 8),
         }
-        times: dict[str, list[float]] = {name: [] for name in calls}
         with torch.inference_mode():
-            for call in calls.values():
-                call()
-            for _ in range(repeats):
-                for name, call in calls.items():
-                    sync(device)
-                    start = time.perf_counter()
-                    call()
-                    sync(device)
-                    times[name].append(time.perf_counter() - start)
-        out[n] = (statistics.median(times["op"]), statistics.median(times["flex"]))
+            times = alternated_medians(calls, repeats, torch.cuda.synchronize if device == "cuda" else None)
+        out[n] = (times["op"], times["flex"])
     return out
 
 

@@ -17,15 +17,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
-from statistics import median
 
 import torch
 import torch.nn.functional as F
 
 sys.path.append(str(Path(__file__).resolve().parent))
-from _sections import machine, write_section  # noqa: E402
+from _sections import alternated_medians, machine, write_section  # noqa: E402
 
 SECTION = "## Dense layers"
 # (what, in features, out features, epilogue): one MiniLM-L6 layer (hidden 384, intermediate 1536)
@@ -57,17 +55,10 @@ def measure(rows: int, repeats: int) -> list[dict]:
         else:
             runs = {"aten": lambda: F.linear(x, lin.weight, lin.bias), "oneDNN": lambda: lin(x),
                     "bf16": lambda: half(x)}
-        times: dict[str, list[float]] = {k: [] for k in runs}
         with torch.inference_mode():
-            for fn in runs.values():
-                fn()
-            for _ in range(repeats):
-                for k, fn in runs.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[k].append(time.perf_counter() - t0)
+            times = alternated_medians(runs, repeats)
         flops = 2 * rows * d_in * d_out
-        out.append({"rows": rows, "what": what, **{k: median(v) for k, v in times.items()}, "flops": flops})
+        out.append({"rows": rows, "what": what, **times, "flops": flops})
     return out
 
 
