@@ -8,7 +8,6 @@ all the kernel promises. Each compilation costs seconds on 2 cores, so the cases
 from __future__ import annotations
 
 import logging
-import math
 
 import pytest
 import torch
@@ -26,8 +25,7 @@ pytestmark = pytest.mark.skipif(flex.unavailable("cpu") is not None, reason=str(
 def oracle_rows(q, k, v, keep, tau):
     """normalize(E[B]·V) over the live keys, zero rows for masked queries: (B, H, N, D) fp64."""
     qn, kn = F.normalize(q.double(), dim=-1), F.normalize(k.double(), dim=-1)
-    cosine = (qn @ kn.transpose(-1, -2)).clamp(-1, 1)
-    weights = (1 - torch.arccos(cosine) / math.pi) ** tau * keep[:, None, None, :]
+    weights = collision_probability(qn, kn, tau) * keep[:, None, None, :]
     return F.normalize(weights @ v.double(), dim=-1) * keep[:, None, :, None]
 
 
