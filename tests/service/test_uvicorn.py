@@ -10,6 +10,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -209,26 +210,59 @@ def test_a_model_that_cannot_start_exits_1_with_the_reason(tiny_dir, yoso_server
     assert "Traceback" not in out.stderr  # a bad setting or model: one line says it all
 
 
+class StallWatch:
+    """A thread of the test's own process that sleeps 10 ms at a time and keeps the longest oversleep: when
+    it passes half a second, the whole machine stalled (the server runs in another process), and a timing
+    taken across it measures the machine, not the server."""
+
+    def __init__(self) -> None:
+        self.worst, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            time.sleep(0.01)
+            self.worst = max(self.worst, time.monotonic() - t0 - 0.01)
+
+    def __enter__(self) -> StallWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def test_overload_is_refused_at_once_with_429_not_left_to_504(yoso_server):
     # A 1 s deadline and 40 requests of ~500 tokens sent at once: several seconds of work on any
     # CPU. What cannot start within the deadline must be told so at once (429), not after it (504).
-    proc, url = yoso_server.start("--request-timeout", "1")
     text = " ".join(f"word{i % 50}" for i in range(250))
 
-    async def one(client, i):
+    async def one(client, url, i):
         t0 = time.monotonic()
         r = await client.post(f"{url}/embed", json={"inputs": f"{i} {text}"})
         return r, time.monotonic() - t0
 
-    async def main():
+    async def burst(url):
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=40)) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(40)))
+            return await asyncio.gather(*(one(client, url, i) for i in range(40)))
 
-    try:
-        results = asyncio.run(main())
-        metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    finally:
-        yoso_server.stop(proc)
+    # Twice in this suite's logs, in full runs only, every 429 of the burst took 1.2-1.4 s; alone the test
+    # has always passed. Whether the machine or the server stalled then is not known, and the watch tells
+    # them apart: a burst across which the test's own process was held up too is sent again on a fresh
+    # server, once. A stall of the server alone is not excused.
+    for _ in range(2):
+        proc, url = yoso_server.start("--request-timeout", "1")
+        try:
+            with StallWatch() as watch:
+                results = asyncio.run(burst(url))
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        finally:
+            yoso_server.stop(proc)
+        if watch.worst < 0.5:
+            break
+    assert watch.worst < 0.5, f"the machine stalled {watch.worst:.2f} s during both bursts"
     statuses = [r.status_code for r, _ in results]
     refused = [(r, seconds) for r, seconds in results if r.status_code == 429]
     assert set(statuses) <= {200, 429, 504} and 200 in statuses, statuses
