@@ -212,8 +212,9 @@ def test_a_model_that_cannot_start_exits_1_with_the_reason(tiny_dir, yoso_server
 
 class StallWatch:
     """A thread of the test's own process that sleeps 10 ms at a time and keeps the longest oversleep: when
-    it passes half a second, the whole machine stalled (the server runs in another process), and a timing
-    taken across it measures the machine, not the server."""
+    it passes half a second, this process was held up (by the machine, or by a thread of its own holding
+    the interpreter), and a timing the client took across it does not measure the server, which runs in
+    another process."""
 
     def __init__(self) -> None:
         self.worst, self._stop = 0.0, threading.Event()
@@ -249,9 +250,9 @@ def test_overload_is_refused_at_once_with_429_not_left_to_504(yoso_server):
             return await asyncio.gather(*(one(client, url, i) for i in range(40)))
 
     # Twice in this suite's logs, in full runs only, every 429 of the burst took 1.2-1.4 s; alone the test
-    # has always passed. Whether the machine or the server stalled then is not known, and the watch tells
-    # them apart: a burst across which the test's own process was held up too is sent again on a fresh
-    # server, once. A stall of the server alone is not excused.
+    # has always passed. Whether the server or the test's own process was held up then is not known; the
+    # watch tells them apart: a burst across which the test's own process was held up is sent again on a
+    # fresh server, once. A stall of the server alone is not excused.
     for _ in range(2):
         proc, url = yoso_server.start("--request-timeout", "1")
         try:
@@ -262,7 +263,7 @@ def test_overload_is_refused_at_once_with_429_not_left_to_504(yoso_server):
             yoso_server.stop(proc)
         if watch.worst < 0.5:
             break
-    assert watch.worst < 0.5, f"the machine stalled {watch.worst:.2f} s during both bursts"
+    assert watch.worst < 0.5, f"the test's own process stalled {watch.worst:.2f} s during both bursts"
     statuses = [r.status_code for r, _ in results]
     refused = [(r, seconds) for r, seconds in results if r.status_code == 429]
     assert set(statuses) <= {200, 429, 504} and 200 in statuses, statuses
