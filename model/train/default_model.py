@@ -366,7 +366,7 @@ def retrieval_argv(work: Path, model: Path, teacher: Path, name: str, docs: str,
     QUERY_DRAWS queries per document."""
     return ["eval", "--model", str(model), "--teacher", str(teacher), "--retrieval-data",
             str(work / corpus / f"{docs}_docs.jsonl"), "--out", str(work / name), "--seed", "0",
-            "--query-draws", str(QUERY_DRAWS), "--retrieval-docs", str(RETRIEVAL_DOCS)]
+            "--query-draws", str(QUERY_DRAWS), "--retrieval-docs", str(RETRIEVAL_DOCS), "--own-windows"]
 
 
 PIECE_TOKENS = 128  # the piece size the piece evaluations index (the teacher's windows the same size)

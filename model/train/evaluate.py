@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--segment", type=int, default=None,
                    help="tokens per piece of the student's one pass in the multi-vector rows of deep retrieval "
                         "(default: --window, so both rows index pieces of one size; 0 = no multi-vector rows)")
+    p.add_argument("--own-windows", action="store_true",
+                   help="also the student over the same --window-token windows, each read alone, averaged (the "
+                        "student as a chunker), and the one pass's margin over it: what reading the whole "
+                        "document adds over chunking with the same model")
     p.add_argument("--short-pairs", type=int, default=500, help="pairs in the short-retrieval task")
     p.add_argument("--hashes", default="0,8,16,32,64", help="hash counts to evaluate (0 = exact)")
     p.add_argument("--long-hashes", default="32", help="hash counts for --long-data")
@@ -189,7 +193,8 @@ def retrieval_results(args: argparse.Namespace, model: EncoderModel, teacher: Be
         raise ValueError(f"--retrieval-data: {len(docs)} documents of {lo}..{hi} tokens with a late paragraph; need 2")
     firsts, rests = retrieval.short_pairs(rows, max_pairs=args.short_pairs, seed=args.seed)
     emb = retrieval.Embedders(model, teacher, hashes=hashes, window=args.window, device=device)
-    deep, margins, hits = retrieval.deep_retrieval(emb, docs, queries, segment=segment)
+    deep, margins, hits = retrieval.deep_retrieval(emb, docs, queries, segment=segment,
+                                                     own_windows=args.own_windows)
     return {"deep_retrieval": deep, "deep_margin": margins, "deep_hits": hits,
             "short_retrieval": retrieval.short_retrieval(emb, firsts, rests) if len(firsts) >= 2 else []}
 

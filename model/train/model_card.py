@@ -217,7 +217,8 @@ def pieces_win(pieces: dict | None) -> bool:
 def targets(transfer: dict | None) -> dict[str, bool]:
     """The long-document issue's targets on the source kept out of training."""
     student = _deep(transfer, "student")
-    windowed = next((r for r in (transfer or {}).get("deep_retrieval", []) if "windows" in r["method"]), {})
+    windowed = next((r for r in (transfer or {}).get("deep_retrieval", [])
+                     if r["method"].startswith("teacher") and "windows averaged" in r["method"]), {})
     short = {r["method"]: r for r in (transfer or {}).get("short_retrieval", [])}
     return {"deep_recall_at_1": bool(student and windowed)
             and student["recall_at_1"] >= windowed["recall_at_1"] + DEEP_MARGIN,

@@ -221,7 +221,10 @@ class Embedders:
         """(pooled (n, D), parts (P, D), owner (P,)): each text's embedding as :meth:`student_one_pass`
         and, from the same pass, the mean token state of each consecutive ``segment``-token piece of it
         (none when ``segment`` is 0): the one-pass model's multi-vector form."""
-        seqs = self.tok.encode(texts, max_length=self.student.config.max_length)
+        return self._student(self.tok.encode(texts, max_length=self.student.config.max_length), segment)
+
+    def _student(self, seqs: list[list[int]], segment: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`student_parts` of token-id sequences (specials included)."""
         counts = [resolve_hashes(self.student.config, self.hashes, source="request", exact_below=AUTO_EXACT_BELOW,
                                  n_tokens=len(s)) for s in seqs]
         k = -(-max(len(s) for s in seqs) // segment) if segment else 0
@@ -257,8 +260,20 @@ class Embedders:
     def teacher_windows(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(windowed (n, D), windows (P, D), owner (P,)): :meth:`teacher_windowed` and the unit window
         embeddings it averages, each window also a vector of its own (chunks indexed one by one)."""
+        return self._windows(texts, lambda seqs: self._run(self.teacher.embed, seqs, "teacher windows"))
+
+    def student_windowed(self, texts: list[str]) -> torch.Tensor:
+        """The student as a chunker: :meth:`teacher_windowed` with the student reading each window alone, at
+        ``hashes`` per window as :meth:`student_one_pass` resolves it. Against the one pass it says what
+        reading the whole document adds over chunking with the same model."""
+        return self._windows(texts, lambda seqs: self._student(seqs, 0)[0])[0]
+
+    def _windows(self, texts: list[str], embed: Callable[[list[list[int]]], torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(averaged (n, D), windows (P, D), owner (P,)): ``embed`` of each text's consecutive ``window``-token
+        windows, unit length, and their sum per text (a mean, up to the cosine's scale)."""
         owner, seqs = cut_windows(self.tok.encode(texts, add_special_tokens=False), self.tok, self.window)
-        vecs = F.normalize(self._run(self.teacher.embed, seqs, "teacher windows"), dim=-1)
+        vecs = F.normalize(embed(seqs), dim=-1)
         out = torch.zeros(len(texts), vecs.shape[1])
         owner_t = torch.tensor(owner, dtype=torch.long)
         out.index_add_(0, owner_t, vecs)
@@ -266,16 +281,20 @@ class Embedders:
 
 
 def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str], *,
-                   segment: int = 0) -> tuple[list[dict], list[dict], dict]:
+                   segment: int = 0, own_windows: bool = False) -> tuple[list[dict], list[dict], dict]:
     """(rows, margins, hits). One row per method: recall@1, MRR@10, documents per second (document embedding time
     only). The three single-vector rows come first (one vector per document: what the task is about). With
     ``segment`` > 0, two multi-vector rows follow, from the same passes: the teacher's windows indexed
     one by one and the student's ``segment``-token pieces of its one pass, a document scoring its best
     part (:func:`best_part_scores`).
 
+    With ``own_windows``, a fourth single-vector row: the student over the same windows, each read alone,
+    averaged (:meth:`Embedders.student_windowed`), the student used as a chunker would use it.
+
     margins: the student's recall@1 minus the teacher's on the same queries, with its 95 % interval
-    (:func:`paired_margin`): one vector against the averaged windows, and with ``segment`` the pieces
-    against the windows indexed one by one.
+    (:func:`paired_margin`): one vector against the averaged windows, with ``segment`` the pieces
+    against the windows indexed one by one, and with ``own_windows`` the one pass against its own averaged
+    windows (what reading the whole document adds).
 
     hits: the corpus size and, per method, each query's hit (1: its document ranked first), from which
     :func:`pooled_margin` pools the margins of several corpora."""
@@ -294,6 +313,8 @@ def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str], *,
     methods = [("student, one pass", student, s_queries),
                (f"teacher, {emb.window}-token windows averaged", windowed, t_queries),
                (f"teacher, truncated at {emb.teacher.max_positions}", emb.teacher_truncated, t_queries)]
+    if own_windows:
+        methods.append((f"student, {emb.window}-token windows averaged", emb.student_windowed, s_queries))
     speed = {}
     for name, fn, q in methods:
         t0 = time.perf_counter()
@@ -312,6 +333,8 @@ def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str], *,
             rows.append({"method": name, "docs": len(docs), "queries": len(q), **_metrics(ranks[name]),
                          "docs_per_s": speed[base]})
         pairs.append((rows[-1]["method"], rows[-2]["method"]))
+    if own_windows:
+        pairs.append((methods[0][0], methods[3][0]))
     margins = [{"student": a, "teacher": b, "docs": len(docs), "queries": len(queries),
                 **paired_margin(ranks[a], ranks[b], len(docs))} for a, b in pairs]
     hits = {"docs": len(docs), **{name: (r == 0).int().tolist() for name, r in ranks.items()}}

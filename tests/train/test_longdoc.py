@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from yoso_serve.model.train import longdocs, retrieval
 from yoso_serve.model.train.cli import main
@@ -279,6 +280,28 @@ def test_student_parts_are_the_segment_means_of_one_pass(tiny_yoso):
             torch.testing.assert_close(parts[owner == d], want, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(pooled[d], hidden.mean(0), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(pooled, emb.student_one_pass(texts), atol=1e-5, rtol=1e-4)
+
+
+def test_student_windowed_is_the_student_reading_each_window_alone(tiny_yoso):
+    """The student as a chunker: each window read on its own, unit length, summed per document; a text
+    inside one window is that window, so its vector is the one pass's direction."""
+    from yoso_serve.model import load_pretrained
+
+    model = load_pretrained(tiny_yoso, device=torch.device("cpu")).eval()
+    emb = retrieval.Embedders(model, None, hashes=0, window=16, device=torch.device("cpu"), token_budget=64)
+    texts = [" ".join(["alpha beta gamma"] * 12), "delta epsilon", " ".join(["zeta eta"] * 7)]
+    got = emb.student_windowed(texts)
+    owner, wins = retrieval.cut_windows(model.tokenizer.encode(texts, add_special_tokens=False), model.tokenizer, 16)
+    assert owner.count(0) > 1  # the first text spans several windows
+    with torch.no_grad():
+        want = torch.zeros_like(got)
+        for d, w in zip(owner, wins):
+            want[d] += F.normalize(model.embed(torch.tensor([w]), torch.ones(1, len(w), dtype=torch.long), hashes=0)[0],
+                                   dim=-1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    one = F.normalize(emb.student_one_pass(texts[1:2]), dim=-1)
+    torch.testing.assert_close(F.normalize(got[1:2], dim=-1), one, atol=1e-5, rtol=1e-4)
+    assert F.cosine_similarity(got[0], emb.student_one_pass(texts[:1])[0], dim=0) < 1 - 1e-4
 
 
 def test_deep_pairs_skip_gives_the_next_disjoint_corpus():
@@ -617,6 +640,19 @@ def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, w
     single = json.loads((tmp_path / "single" / "results.json").read_text())["deep_retrieval"]
     assert [r["method"] for r in single] == list(deep)[:3]
     assert len(json.loads((tmp_path / "single" / "results.json").read_text())["deep_margin"]) == 1
+    # --own-windows: the student as a chunker of the same windows, and the one pass's margin over it, last
+    assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
+                 "--window", "16", "--own-windows", "--out", str(tmp_path / "own")]) == 0
+    own = json.loads((tmp_path / "own" / "results.json").read_text())
+    own_deep = {r["method"]: r for r in own["deep_retrieval"]}
+    assert list(own_deep) == [*list(deep)[:3], "student, 16-token windows averaged", *list(deep)[3:]]
+    assert [(m["student"], m["teacher"]) for m in own["deep_margin"]] == [
+        *[(m["student"], m["teacher"]) for m in margins], ("student, one pass", "student, 16-token windows averaged")]
+    m = own["deep_margin"][-1]
+    assert m["recall_at_1"] == pytest.approx(own_deep["student, one pass"]["recall_at_1"]
+                                             - own_deep["student, 16-token windows averaged"]["recall_at_1"])
+    assert sum(own["deep_hits"]["student, 16-token windows averaged"]) / 6 == pytest.approx(
+        own_deep["student, 16-token windows averaged"]["recall_at_1"])
     assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
                  "--window", "16", "--segment", "8", "--out", str(tmp_path / "finer")]) == 0
     finer = json.loads((tmp_path / "finer" / "results.json").read_text())["deep_retrieval"]

@@ -416,3 +416,18 @@ def test_the_piece_stages_replay_the_runs_their_figures_came_from(tmp_path):
         strip = {"--model", "--seed", "--out", "--segment-tokens", "--w-segment", "--max-steps"}
         keep = [a for i, a in enumerate(argv) if a not in strip and (i == 0 or argv[i - 1] not in strip)]
         assert keep == [a for i, a in enumerate(six) if a not in strip and (i == 0 or six[i - 1] not in strip)]
+
+
+def test_the_deep_target_is_judged_against_the_teachers_windows_not_the_students_own():
+    """With `--own-windows` the eval has a second averaged-windows row, the student's: the target is the
+    one pass over the *teacher's* windows, wherever that row stands."""
+    from yoso_serve.model.train.model_card import targets
+
+    own = {"method": "student, 240-token windows averaged", "docs": 300, "queries": 900, "recall_at_1": 0.80,
+           "mrr_at_10": 0.85, "docs_per_s": 2.0}
+    shorts = [{"method": "student", "pairs": 500, "recall_at_1": 0.6, "mrr_at_10": 0.7},
+              {"method": "teacher", "pairs": 500, "recall_at_1": 0.6, "mrr_at_10": 0.7}]
+    for rows in (_deep(0.72) + [own], [_deep(0.72)[0], own, *_deep(0.72)[1:]]):  # 0.72 >= 0.66 + 0.05; < 0.80
+        assert targets({"deep_retrieval": rows, "short_retrieval": shorts}) == {
+            "deep_recall_at_1": True, "short_recall_at_1": True}
+    assert targets({"deep_retrieval": _deep(0.70) + [own], "short_retrieval": shorts})["deep_recall_at_1"] is False
