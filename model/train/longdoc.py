@@ -101,6 +101,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cut-negatives", action="store_true",
                    help="each crop also read with its spans' blocks cut out: a negative for its own spans that "
                         "differs from their document only by them")
+    p.add_argument("--w-own-windows", type=bounded(float, 0), default=0.0,
+                   help="weight of a pull of each crop's one-pass embedding towards the student's own "
+                        "--own-window-tokens windows of it, each read alone (exact, no gradient), unit and averaged: "
+                        "what chunking with the same model keeps, as a floor for the whole read")
+    p.add_argument("--own-window-tokens", type=bounded(int, 16), default=240,
+                   help="window size of --w-own-windows, specials included")
     p.add_argument("--save-fp16", action="store_true", help="store model/ in fp16 (the bundled format)")
     add_common_arguments(p, lr=2e-5, batch_size=4, epochs=1, dropout=0.0)
 
@@ -256,8 +262,10 @@ class LongDocLoss(nn.Module):
 
     def __init__(self, student: EncoderModel, *, temperature: float, queue: int, weights: tuple[float, float],
                  w_segment: float = 0.0, segment: int = 128, w_kernel: float = 0.0, kernel_beta: float = 20.0,
-                 kernel_temperature: float = 0.5, kernel_tokens: int = 64, max_tokens: int = 4096) -> None:
+                 kernel_temperature: float = 0.5, kernel_tokens: int = 64, max_tokens: int = 4096,
+                 w_own_windows: float = 0.0) -> None:
         super().__init__()
+        self.w_own_windows = w_own_windows
         self.student = student.encoder
         self.pooling = student.config.pooling
         self.w_short, self.w_distill = weights
@@ -363,6 +371,11 @@ class LongDocLoss(nn.Module):
         loss_short = (F.cross_entropy(pair, target) + F.cross_entropy(pair.T, target)) / 2
         loss_distill = (1.0 - (short * F.normalize(batch["t_short"], dim=-1)).sum(-1)).mean()
         loss = loss_long + self.w_short * loss_short + self.w_distill * loss_distill
+        if self.w_own_windows and "win_ids" in batch:
+            target = self.own_windows(batch["win_ids"], batch["win_mask"], batch["win_doc"], len(docs))
+            loss_own = (1.0 - (docs * target).sum(-1)).mean()
+            loss = loss + self.w_own_windows * loss_own
+            logs["own_windows_loss"] = float(loss_own.detach())
         if self.w_kernel and n_spans:
             loss_kernel, kernel_top1 = self.kernel_loss(
                 spans, torch.cat([docs, queue]), torch.cat([pieces, self.queue_pieces[~stale]]),
@@ -382,6 +395,14 @@ class LongDocLoss(nn.Module):
         return loss, {"long_loss": float(loss_long.detach()), "short_loss": float(loss_short.detach()),
                       "distill_loss": float(loss_distill.detach()), "temperature": float(1.0 / scale.detach()),
                       "span_top1": float(top1), **logs}
+
+    @torch.no_grad()
+    def own_windows(self, ids: torch.Tensor, mask: torch.Tensor, owner: torch.Tensor, n_docs: int) -> torch.Tensor:
+        """(n_docs, D) unit targets: the student's embeddings of the windows (each read alone and exact, as
+        ``auto`` serves a window), unit, summed per crop and normalised; no gradient flows into them."""
+        vecs = self.embed(ids, mask, 0)
+        out = torch.zeros(n_docs, vecs.shape[1], device=vecs.device).index_add_(0, owner, vecs)
+        return F.normalize(out, dim=-1)
 
     @torch.no_grad()
     def push(self, docs: torch.Tensor, keys: torch.Tensor, pieces: torch.Tensor | None = None,
@@ -472,7 +493,7 @@ def run(args: argparse.Namespace) -> int:
                          weights=(args.w_short, args.w_distill), w_segment=args.w_segment,
                          segment=segment_sizes[0], w_kernel=args.w_kernel, kernel_beta=args.kernel_beta,
                          kernel_temperature=args.kernel_temperature, kernel_tokens=args.kernel_tokens,
-                         max_tokens=stages[-1][0])
+                         max_tokens=stages[-1][0], w_own_windows=args.w_own_windows)
     sources = list(weights)
     trainer: Trainer
 
@@ -480,7 +501,7 @@ def run(args: argparse.Namespace) -> int:
         rng = random.Random(args.seed * 1_000_003 + trainer.step * 997 + trainer.batch_in_epoch)
         length = crop_length(stages, trainer.step, trainer.total_steps) - 2
         source = rng.choices(sources, weights=[weights[s] for s in sources])[0]
-        docs, spans, span_doc, keys, where, cuts, cut_doc = [], [], [], [], [], [], []
+        docs, spans, span_doc, keys, where, cuts, cut_doc, flats = [], [], [], [], [], [], [], []
         for d in step_documents(rng, corpus, source, args.batch_size, args.neighbourhood, mined):
             total = sum(len(ids) for ids in corpus.ids[d])
             lo = rng.randrange(total - length + 1) if total > length else 0
@@ -494,6 +515,7 @@ def run(args: argparse.Namespace) -> int:
                 cuts.append(tok.wrap([t for i, t in enumerate(flat) if i not in cut]))
                 cut_doc.append(len(docs))
             docs.append(tok.wrap(flat))
+            flats.append(flat)
             keys.append(corpus.keys[d])
         pairs = rng.sample(corpus.pairs, args.short_pairs)
         room = corpus.span_tokens
@@ -508,6 +530,12 @@ def run(args: argparse.Namespace) -> int:
                  "doc_keys": torch.tensor([hash_key(k) for k in keys]),
                  "doc_hashes": torch.tensor(rng.choice(doc_hashes)), "query_hashes": torch.tensor(rng.choice(query_hashes)),
                  "fresh_seed": torch.tensor(rng.randrange(1, 1 << 30))}
+        if args.w_own_windows:  # each crop cut as retrieval.cut_windows cuts a document for a chunker
+            from .retrieval import cut_windows  # retrieval imports this module
+
+            owner, windows = cut_windows(flats, tok, args.own_window_tokens)
+            batch["win_ids"], batch["win_mask"] = pad(windows, tok.pad_id)
+            batch["win_doc"] = torch.tensor(owner, dtype=torch.long)
         if cuts:
             batch["cut_ids"], batch["cut_mask"] = pad(cuts, tok.pad_id)
             batch["cut_doc"] = torch.tensor(cut_doc, dtype=torch.long)

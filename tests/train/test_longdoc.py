@@ -695,3 +695,58 @@ def test_a_cut_copy_is_its_crop_less_exactly_the_span_blocks(tiny_bert, tiny_yos
             assert cut_len[i] == doc_len[d] - len(cut)
             keep = [p for p in range(int(doc_len[d])) if p not in cut]
             assert batch["cut_ids"][i, : int(cut_len[i])].tolist() == batch["input_ids"][d, keep].tolist()
+
+
+def test_own_windows_target_is_the_student_chunking_each_crop(tiny_bert, tiny_yoso, docs_file, tmp_path,
+                                                               monkeypatch):
+    """--w-own-windows: a crop's windows are its content cut as the eval's chunker cuts a document, and the
+    target is the student reading each alone (exact), unit, averaged: the eval's own-windows row."""
+    from yoso_serve.model.train import longdoc
+
+    seen, targets = [], []
+    real, real_own = longdoc.LongDocLoss.forward, longdoc.LongDocLoss.own_windows
+    monkeypatch.setattr(longdoc.LongDocLoss, "forward", lambda self, batch: seen.append((self, batch)) or real(self, batch))
+    monkeypatch.setattr(longdoc.LongDocLoss, "own_windows",
+                        lambda self, *a: targets.append(real_own(self, *a)) or targets[-1])
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "own", "--max-steps", "2",
+                             "--w-own-windows", "1", "--own-window-tokens", "16")) == 0
+    assert len(seen) == len(targets) == 2
+    _, batch = seen[0]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    crops = [ids[d, 1:int(mask[d].sum()) - 1].tolist() for d in range(len(ids))]
+    wins = [batch["win_ids"][w, :int(batch["win_mask"][w].sum())].tolist() for w in range(len(batch["win_ids"]))]
+    owner = batch["win_doc"].tolist()
+    assert owner == sorted(owner) and set(owner) == set(range(len(crops)))
+    assert all(len(w) <= 16 for w in wins)
+    for d, crop in enumerate(crops):  # the windows of a crop, specials stripped, are the crop in order
+        assert [t for w, o in zip(wins, owner) if o == d for t in w[1:-1]] == crop
+    # the target against the student embedding each window alone (no padding), from the first step's weights
+    from yoso_serve.model import load_pretrained
+
+    model = load_pretrained(tiny_yoso, device=torch.device("cpu")).eval()
+    with torch.no_grad():
+        want = torch.zeros(len(crops), targets[0].shape[1])
+        for w, d in zip(wins, owner):
+            want[d] += F.normalize(model.embed(torch.tensor([w]), torch.ones(1, len(w), dtype=torch.long),
+                                               hashes=0)[0], dim=-1)
+    torch.testing.assert_close(targets[0], F.normalize(want, dim=-1), atol=1e-5, rtol=1e-4)
+    assert not targets[0].requires_grad
+
+
+def test_longdoc_with_w_own_windows_pulls_the_one_pass_to_its_windows(tiny_bert, tiny_yoso, docs_file, tmp_path):
+    """The same run (seed, crops) with the pull and with a negligible one: the pull brings the one pass nearer
+    its own windows; without the option nothing is computed or logged."""
+    def run(name, weight):
+        out = tmp_path / name
+        assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "12", "--curriculum", "120:1",
+                                 "--w-own-windows", weight, "--own-window-tokens", "16")) == 0
+        rows = read_events(out, "train")
+        return sum(r["own_windows_loss"] for r in rows[-4:]) / 4, rows[0]["own_windows_loss"]
+
+    pulled, start = run("pulled", "8")
+    free, free_start = run("free", "1e-9")
+    assert start == pytest.approx(free_start)  # the same first step: same crops, same weights
+    assert pulled < 0.5 * free, (pulled, free)
+    plain = tmp_path / "plain"
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, plain, "--max-steps", "2")) == 0
+    assert "own_windows_loss" not in read_events(plain, "train")[0]
