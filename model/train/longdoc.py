@@ -399,7 +399,8 @@ class LongDocLoss(nn.Module):
     @torch.no_grad()
     def own_windows(self, ids: torch.Tensor, mask: torch.Tensor, owner: torch.Tensor, n_docs: int) -> torch.Tensor:
         """(n_docs, D) unit targets: the student's embeddings of the windows (each read alone and exact, as
-        ``auto`` serves a window under its crossover of 288 tokens), unit, summed per crop and normalised; no gradient flows into them."""
+        ``auto`` serves a window under its crossover of 288 tokens), unit, summed per crop and normalised; no
+        gradient flows into them."""
         vecs = self.embed(ids, mask, 0)
         out = torch.zeros(n_docs, vecs.shape[1], device=vecs.device).index_add_(0, owner, vecs)
         return F.normalize(out, dim=-1)
