@@ -49,6 +49,10 @@ SPEED_PROBE = [" ".join(["warm-up"] * 170)]
 # The absolute (time.monotonic) deadline the client asked for, set per request by the middleware.
 client_deadline: ContextVar[float | None] = ContextVar("client_deadline", default=None)
 
+# When (time.monotonic) the middleware took the request in, set per work request: a drain that begins
+# later still serves it (nothing accepted is lost), and refuses only what arrives after it began.
+request_arrival: ContextVar[float | None] = ContextVar("request_arrival", default=None)
+
 
 def parse_client_timeout(raw: bytes | None) -> float | None:
     """The ``x-request-timeout`` header in seconds (None when absent); 422 when it is not a

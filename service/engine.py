@@ -20,7 +20,7 @@ import torch
 from yoso_serve.model.hashes import HashesError, auto_crossover, hashes_header, resolve_hashes
 from yoso_serve.model.pieces import piece_bounds, piece_means
 
-from .admission import SPEED_PROBE, request_budget
+from .admission import SPEED_PROBE, request_arrival, request_budget
 from .errors import ClientGone, InvalidInput, NotReady
 from .metrics import ServiceMetrics
 from .params import ClassifyParams, EmbedParams, HiddenParams, Output, PiecesParams, Usage
@@ -119,6 +119,7 @@ class Engine:
         self._load_model = load_model
         self.model: ServedModel | None = None
         self.state = "loading"  # loading → ready → draining; or failed
+        self._drain_began: float | None = None  # when a drain began on a ready server (time.monotonic)
         self.failure: str | None = None
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="yoso-tokenize")
         # /tokenize and /decode on a thread of their own: a burst of them (up to a 2 MB body each) cannot
@@ -193,7 +194,10 @@ class Engine:
         self.scheduler.start()
 
     def begin_drain(self) -> None:
-        """SIGTERM: not ready any more and no new work; what is queued still runs."""
+        """SIGTERM: not ready any more and no new work; what is queued, and every request that arrived
+        before (still reading its body or tokenising), still runs."""
+        if self.state == "ready":
+            self._drain_began = time.monotonic()
         if self.state in ("loading", "ready"):
             self.state = "draining"
         self.metrics.ready.set(0)
@@ -414,8 +418,15 @@ class Engine:
         }
 
     # --- internals --------------------------------------------------------------------
+    def _arrived_before_drain(self) -> bool:
+        """The current request reached the server while it was ready, before the drain began."""
+        arrival = request_arrival.get()
+        return self._drain_began is not None and arrival is not None and arrival < self._drain_began
+
     def _check_open(self, warmup: bool = False) -> None:
         if self.state == "ready" or (warmup and self.state == "loading" and self.scheduler is not None):
+            return
+        if self.state == "draining" and self._arrived_before_drain():
             return
         reason = {"loading": "model is loading", "draining": "server is shutting down",
                   "failed": f"model failed to load ({self.failure})"}[self.state]
@@ -493,7 +504,7 @@ class Engine:
         usage.hashes = hashes_header(counts, owners)
         items = [WorkItem(ids, count, kind, pooling, deadline, loop.create_future(), loop)
                  for ids, count in zip(seqs, counts)]
-        self.scheduler.submit(items)
+        self.scheduler.submit(items, accepted=self._arrived_before_drain())
         gathered = asyncio.gather(*(it.future for it in items), return_exceptions=True)
         if watch is not None:
             watcher = asyncio.ensure_future(watch())

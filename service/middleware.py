@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from .admission import client_deadline, parse_client_timeout
+from .admission import client_deadline, parse_client_timeout, request_arrival
 from .errors import (BodyTimeout, ClientGone, InternalError, PayloadTooLarge, ServiceError, Unauthorized,
                      UnsupportedMediaType, error_response_parts, failure_reason)
 from .metrics import ServiceMetrics
@@ -84,8 +84,10 @@ class EdgeMiddleware:
             await send(message)
 
         work = path in self.routes.work
+        arrival_token = None
         if work:
             self.metrics.in_flight.inc()
+            arrival_token = request_arrival.set(time.monotonic())
         deadline_token = None
         try:
             error = self._check_key(path, headers)
@@ -107,6 +109,8 @@ class EdgeMiddleware:
         finally:
             if deadline_token is not None:
                 client_deadline.reset(deadline_token)
+            if arrival_token is not None:
+                request_arrival.reset(arrival_token)
             if work:
                 self.metrics.in_flight.dec()
             status = state["status"]

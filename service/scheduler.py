@@ -135,12 +135,13 @@ class BatchScheduler:
                 if text.lengths:
                     self.admission.note_text(chars, sum(text.lengths))
 
-    def submit(self, items: list[WorkItem]) -> Admission:
+    def submit(self, items: list[WorkItem], *, accepted: bool = False) -> Admission:
         """Enqueue all of a request's items or none: raises Overloaded (429) when the queue is over
-        its token cap or predicted to outlast the items' deadline, NotReady (503) when draining."""
+        its token cap or predicted to outlast the items' deadline, NotReady (503) when draining, unless
+        ``accepted`` (the request arrived before the drain began) and the batcher still runs."""
         tokens = sum(it.length for it in items)
         with self._cond:
-            if not self._accepting:
+            if self._stop or (not self._accepting and not accepted):
                 raise NotReady("server is shutting down; retry on another replica")
             admission = self._admit(min(it.deadline for it in items) - time.monotonic(), tokens)
             if admission.predicted_wait is not None:

@@ -372,6 +372,32 @@ def test_503_while_loading_and_while_draining(tiny_dir, serve):
     assert draining[2].status_code == 200  # liveness is not readiness
 
 
+def test_a_drain_serves_what_arrived_before_it_and_refuses_what_comes_after(tiny_dir, serve):
+    # A request the server took in before SIGTERM (here still sending its body when the drain begins) is
+    # accepted and must be answered 200, not 503; one that arrives after the drain began gets 503.
+    body_half = asyncio.Event()
+
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            async def slow_body():
+                yield b'{"inputs": ["taken in before'
+                body_half.set()
+                await asyncio.sleep(0.2)  # the drain begins meanwhile
+                yield b' the drain", "and served"]}'
+
+            early = asyncio.create_task(c.post("/embed", content=slow_body(),
+                                               headers={"content-type": "application/json"}))
+            await body_half.wait()
+            c.app.state.engine.begin_drain()
+            late = await c.post("/embed", json={"inputs": "too late"})
+            return await early, late
+
+    early, late = asyncio.run(main())
+    assert early.status_code == 200, early.text
+    assert len(early.json()) == 2
+    assert "shutting down" in error_of(late, 503)["message"]
+
+
 @pytest.mark.parametrize("first_hashes", [None, 4, 0])
 def test_429_at_once_when_predicted_late_and_504_when_nothing_could_predict_it(tiny_dir, serve, metric,
                                                                                 first_hashes):
