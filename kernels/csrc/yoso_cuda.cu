@@ -9,8 +9,8 @@
 //      - in shared memory with shared atomics when 2^tau rows of a column chunk fit, else
 //      - (deterministic, or tau too large for shared memory) by a stable bucket sort of the
 //        keys and an in-order sum per bucket; these tables have min(2^tau, Nk) rows;
-//   2. a gather: one warp per query sums T[bh, h, q_code[h], :] over the group's hashes in
-//      increasing h — no atomics, every output row has one writer.
+//   2. a gather: a few lanes per query (vector loads) sum T[bh, h, q_code[h], :] over the group's
+//      hashes in increasing h — no atomics, every output row has one writer.
 // The weighted cumulation is in yoso_cuda_weighted.cu, the hash codes in yoso_cuda_hash.cu.
 
 #include "yoso_cuda_common.cuh"
@@ -102,32 +102,100 @@ struct GatherArgs {
   bool first;  // the first pass stores, later passes add
 };
 
-// One warp per query: out = (first pass ? 0 : out) + scale * sum over the group's hashes.
-__global__ void __launch_bounds__(kThreads) gather_kernel(GatherArgs a) {
-  const int64_t row = blockIdx.x * int64_t(kWarps) + threadIdx.x / 32;
-  if (row >= a.bh * a.nq) return;
+// The gather, written once for the GPU and for the CPU (tests/kernels/test_cuda_gather.py drives the
+// host form): `lanes` consecutive threads serve one query row, each lane `vec` adjacent columns at a
+// time (float4 / float2 loads where dv allows). Per group of kGatherAhead hashes a lane first resolves
+// every hash's table row (code, then the bucket bounds of sorted tables), then issues the row loads,
+// which no longer wait on one another. The sum runs over the group's hashes in increasing order, one
+// fp32 add each, as a single scalar loop would: the vector width changes no bit.
+constexpr int kGatherAhead = 8;
+
+// Columns a lane reads at once: 4 when dv and the output's address allow 16-byte accesses, else 2
+// or 1. Table rows start at multiples of dv floats from a 256-byte aligned workspace.
+int gather_vec(int64_t dv, const float* out) {
+  const auto addr = reinterpret_cast<uintptr_t>(out);
+  if (dv % 4 == 0 && addr % 16 == 0) return 4;
+  if (dv % 2 == 0 && addr % 8 == 0) return 2;
+  return 1;
+}
+
+// Lanes per query row: a power of two, enough for dv / vec columns in one sweep, at most a warp.
+int gather_lanes(int64_t dv, int vec) {
+  const int64_t need = (dv + vec - 1) / vec;
+  int lanes = 1;
+  while (lanes < 32 && lanes < need) lanes *= 2;
+  return lanes;
+}
+
+// The element offset of hash hs's table row for this query's code in `sets`, or -1 when the query
+// reads nothing there (masked code, or an empty bucket of sorted tables).
+__host__ __device__ __forceinline__ int64_t gather_at(const GatherArgs& a, const int32_t* codes, const int32_t* off,
+                                                      int64_t hs) {
+  int64_t c = codes[hs * a.nq];
+  if (c < 0 || c >= a.nb) return -1;
+  if (off) {
+    const int32_t start = off[hs * (a.nb + 1) + c];
+    if (start == off[hs * (a.nb + 1) + c + 1]) return -1;  // no key in this bucket
+    if (a.packed) c = start;
+  }
+  return (hs * a.table_rows + c) * a.dv;
+}
+
+template <int VEC>
+__host__ __device__ __forceinline__ void add_row(float* acc, const float* p) {
+#ifdef __CUDA_ARCH__
+  if constexpr (VEC == 4) {
+    const float4 x = *reinterpret_cast<const float4*>(p);
+    acc[0] += x.x; acc[1] += x.y; acc[2] += x.z; acc[3] += x.w;
+  } else if constexpr (VEC == 2) {
+    const float2 x = *reinterpret_cast<const float2*>(p);
+    acc[0] += x.x; acc[1] += x.y;
+  } else {
+    acc[0] += p[0];
+  }
+#else
+  for (int k = 0; k < VEC; ++k) acc[k] += p[k];
+#endif
+}
+
+// Lane `lane` of the `lanes` serving query row `row`: out = (first pass ? 0 : out) + scale * sum over
+// the group's hashes, for columns lane*VEC + j*lanes*VEC + (0..VEC-1). dv % VEC == 0.
+template <int VEC>
+__host__ __device__ void gather_row(const GatherArgs& a, int64_t row, int lane, int lanes) {
   const int64_t bh = row / a.nq, i = row % a.nq;
-  const int lane = threadIdx.x % 32;
   const int32_t* codes = a.q_codes + (bh * a.m + a.h0) * a.nq + i;
   const float* sets = a.tables + bh * a.group * a.table_rows * a.dv;
   const int32_t* off = a.offsets ? a.offsets + bh * a.group * (a.nb + 1) : nullptr;
-  const int64_t nb = a.nb, dv = a.dv;
   float* o = a.out + row * a.dv;
-  for (int64_t d = lane; d < a.dv; d += 32) {
-    float acc = 0.f;
-#pragma unroll 4
-    for (int64_t hs = 0; hs < a.group; ++hs) {
-      int64_t c = codes[hs * a.nq];
-      if (!live(static_cast<int>(c), a.nb)) continue;
-      if (off) {
-        const int32_t start = off[hs * (nb + 1) + c];
-        if (start == off[hs * (nb + 1) + c + 1]) continue;  // no key in this bucket
-        if (a.packed) c = start;
-      }
-      acc += sets[(hs * a.table_rows + c) * dv + d];
+  for (int64_t d0 = int64_t(lane) * VEC; d0 < a.dv; d0 += int64_t(lanes) * VEC) {
+    float acc[VEC];
+    for (int k = 0; k < VEC; ++k) acc[k] = 0.f;
+    for (int64_t h0 = 0; h0 < a.group; h0 += kGatherAhead) {
+      int64_t at[kGatherAhead];
+      YOSO_UNROLL
+      for (int u = 0; u < kGatherAhead; ++u) at[u] = h0 + u < a.group ? gather_at(a, codes, off, h0 + u) : -1;
+      YOSO_UNROLL
+      for (int u = 0; u < kGatherAhead; ++u)
+        if (at[u] >= 0) add_row<VEC>(acc, sets + at[u] + d0);
     }
-    o[d] = a.first ? a.scale * acc : o[d] + a.scale * acc;
+    for (int k = 0; k < VEC; ++k) o[d0 + k] = a.first ? a.scale * acc[k] : o[d0 + k] + a.scale * acc[k];
   }
+}
+
+template <int VEC>
+__global__ void __launch_bounds__(kThreads) gather_kernel(GatherArgs a, int lanes) {
+  const int64_t row = blockIdx.x * int64_t(kThreads / lanes) + threadIdx.x / lanes;
+  if (row >= a.bh * a.nq) return;
+  gather_row<VEC>(a, row, static_cast<int>(threadIdx.x % lanes), lanes);
+}
+
+const char* gather(const GatherArgs& g, cudaStream_t stream) {
+  const int vec = gather_vec(g.dv, g.out), lanes = gather_lanes(g.dv, vec);
+  const unsigned blocks = blocks_for(g.bh * g.nq, kThreads / lanes);
+  if (vec == 4) gather_kernel<4><<<blocks, kThreads, 0, stream>>>(g, lanes);
+  else if (vec == 2) gather_kernel<2><<<blocks, kThreads, 0, stream>>>(g, lanes);
+  else gather_kernel<1><<<blocks, kThreads, 0, stream>>>(g, lanes);
+  return launched();
 }
 
 template <typename T>
@@ -157,8 +225,7 @@ const char* cumulate(const YosoCumulateParams& p, cudaStream_t stream) {
       if (const char* err = launched()) return err;
       const GatherArgs g{s.q_codes, tables, l.sorted ? offsets : nullptr, s.out, s.bh, p.m, p.nq, p.dv, h0, group,
                          l.table_rows, nb, l.packed, 1.f / float(p.m), h0 == 0};
-      gather_kernel<<<blocks_for(s.bh * p.nq, kWarps), kThreads, 0, stream>>>(g);
-      if (const char* err = launched()) return err;
+      if (const char* err = gather(g, stream)) return err;
     }
   }
   return nullptr;

@@ -100,9 +100,9 @@ def test_a_broken_kernel_fails_the_compile(tmp_path):
     """The harness itself: the same command must reject a kernel with a type error."""
     broken = tmp_path / "broken.cu"
     text = (CSRC / "yoso_cuda.cu").read_text()
-    marker = "acc += sets[(hs * a.table_rows + c) * dv + d];"
+    marker = "if (at[u] >= 0) add_row<VEC>(acc, sets + at[u] + d0);"
     assert marker in text
-    broken.write_text(text.replace(marker, "acc += undeclared_in_kernel[(hs * nb + c) * dv + d];"))
+    broken.write_text(text.replace(marker, "if (at[u] >= 0) add_row<VEC>(acc, undeclared_in_kernel + at[u] + d0);"))
     result = compile_cu(broken, "90", tmp_path / "broken.o")
     assert result.returncode != 0
     assert "undeclared_in_kernel" in result.stderr
