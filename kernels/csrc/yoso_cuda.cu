@@ -6,7 +6,8 @@
 // Per pass (a group of hashes for a slice of batch*head rows that fits the scratch budget; the
 // group size never depends on batch*head, see plan() in yoso_cuda_common.cuh):
 //   1. bucket tables T[bh, h, code, :] = sum of v over the keys with that code, built
-//      - in shared memory with shared atomics when 2^tau rows of a column chunk fit, else
+//      - in shared memory with shared atomics when 2^tau rows of a column chunk fit (each lane
+//        loads a run of keys' values before adding them), else
 //      - (deterministic, or tau too large for shared memory) by a stable bucket sort of the
 //        keys and an in-order sum per bucket; these tables have min(2^tau, Nk) rows;
 //   2. a gather: a few lanes per query (vector loads) sum T[bh, h, q_code[h], :] over the group's
@@ -30,31 +31,71 @@ struct TableArgs {
   bool packed;    // sorted build with Nk < 2^tau: a bucket's table row is its start in perm
 };
 
+// Keys a lane loads before it adds any of them: the loads are in flight together, where an add's
+// shared-memory compare-and-swap loop (sm_80/sm_90 have no native shared fp32 add) would otherwise
+// hold back the next key's load.
+constexpr int kTableAhead = 4;
+
+__host__ __device__ __forceinline__ void shared_add(float* p, float x) {
+#ifdef __CUDA_ARCH__
+  atomicAdd(p, x);
+#else
+  *p += x;  // the CPU emulation runs one thread at a time
+#endif
+}
+
+// One block of the shared-memory build: the 2^tau-row table of one (set, column chunk) in `tab`
+// (nb * chunk floats), then written out once, coalesced. Written as phases between block_sync() so
+// the CPU can run it thread by thread (tests/kernels/test_cuda_tables.py). Warp w takes the runs of
+// kTableAhead keys starting at (w + k * kWarps) * kTableAhead; lane l adds column l of the chunk (and
+// l + 32, ...). A lane reads its run's codes itself (one broadcast load per key for the warp), loads
+// its column of the run's values, then adds them to the table with shared-memory atomics. Four keys
+// a run keep the kernel at 48 registers (8 took 96, and capping those spilled).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) table_smem_kernel(TableArgs a) {
-  extern __shared__ float tab[];
+__host__ __device__ void table_smem_block(const TableArgs& a, int64_t block, float* tab) {
   const int64_t chunks = (a.dv + a.chunk - 1) / a.chunk;
-  const int64_t set = blockIdx.x / chunks, d0 = (blockIdx.x % chunks) * a.chunk;
+  const int64_t set = block / chunks, d0 = (block % chunks) * a.chunk;
   const int64_t bh = set / a.group, hs = set % a.group;
   const int width = static_cast<int>(min64(a.chunk, a.dv - d0));
   const int32_t* codes = a.k_codes + (bh * a.m + a.h0 + hs) * a.nk;
   const T* v = static_cast<const T*>(a.v) + bh * a.nk * a.dv + d0;
-  for (int i = threadIdx.x; i < a.nb * width; i += kThreads) tab[i] = 0.f;
-  __syncthreads();
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int64_t base = int64_t(warp) * 32; base < a.nk; base += kThreads) {
-    const int mine = base + lane < a.nk ? codes[base + lane] : -1;
-    const int count = static_cast<int>(min64(32, a.nk - base));
-#pragma unroll 4
-    for (int t = 0; t < count; ++t) {
-      const int c = __shfl_sync(kFull, mine, t);
-      if (!live(c, a.nb)) continue;
-      for (int d = lane; d < width; d += 32) atomicAdd(&tab[c * width + d], load(v, (base + t) * a.dv + d));
+  each_thread([&](int t) {
+    for (int i = t; i < a.nb * width; i += kThreads) tab[i] = 0.f;
+  });
+  block_sync();
+  each_thread([&](int t) {
+    const int lane = t % 32, warp = t / 32;
+    for (int dc = 0; dc < width; dc += 32) {
+      const int d = dc + lane;
+      const bool col = d < width;
+      for (int64_t j0 = int64_t(warp) * kTableAhead; j0 < a.nk; j0 += int64_t(kWarps) * kTableAhead) {
+        const int run = static_cast<int>(min64(kTableAhead, a.nk - j0));
+        const int32_t* cr = codes + j0;
+        const T* vr = v + j0 * a.dv + d;
+        int c[kTableAhead];
+        float x[kTableAhead];
+        YOSO_UNROLL
+        for (int u = 0; u < kTableAhead; ++u) {
+          c[u] = u < run ? cr[u] : -1;
+          x[u] = col && c[u] >= 0 && c[u] < a.nb ? load(vr, u * a.dv) : 0.f;
+        }
+        YOSO_UNROLL
+        for (int u = 0; u < kTableAhead; ++u)
+          if (col && c[u] >= 0 && c[u] < a.nb) shared_add(&tab[c[u] * width + d], x[u]);
+      }
     }
-  }
-  __syncthreads();
-  float* out = a.tables + set * a.nb * a.dv + d0;
-  for (int i = threadIdx.x; i < a.nb * width; i += kThreads) out[int64_t(i / width) * a.dv + i % width] = tab[i];
+  });
+  block_sync();
+  each_thread([&](int t) {
+    float* out = a.tables + set * a.nb * a.dv + d0;
+    for (int i = t; i < a.nb * width; i += kThreads) out[int64_t(i / width) * a.dv + i % width] = tab[i];
+  });
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) table_smem_kernel(TableArgs a) {
+  extern __shared__ float tab[];
+  table_smem_block<T>(a, blockIdx.x, tab);
 }
 
 // One warp per bucket sums its keys in sorted (= index) order: no atomics, fixed order. Warps
