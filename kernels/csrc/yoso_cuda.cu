@@ -77,11 +77,11 @@ __host__ __device__ void table_smem_block(const TableArgs& a, int64_t block, flo
         YOSO_UNROLL
         for (int u = 0; u < kTableAhead; ++u) {
           c[u] = u < run ? cr[u] : -1;
-          x[u] = col && c[u] >= 0 && c[u] < a.nb ? load(vr, u * a.dv) : 0.f;
+          x[u] = col && live(c[u], a.nb) ? load(vr, u * a.dv) : 0.f;
         }
         YOSO_UNROLL
         for (int u = 0; u < kTableAhead; ++u)
-          if (col && c[u] >= 0 && c[u] < a.nb) shared_add(&tab[c[u] * width + d], x[u]);
+          if (col && live(c[u], a.nb)) shared_add(&tab[c[u] * width + d], x[u]);
       }
     }
   });
@@ -173,7 +173,7 @@ int gather_lanes(int64_t dv, int vec) {
 __host__ __device__ __forceinline__ int64_t gather_at(const GatherArgs& a, const int32_t* codes, const int32_t* off,
                                                       int64_t hs) {
   int64_t c = codes[hs * a.nq];
-  if (c < 0 || c >= a.nb) return -1;
+  if (!live(c, a.nb)) return -1;
   if (off) {
     const int32_t start = off[hs * (a.nb + 1) + c];
     if (start == off[hs * (a.nb + 1) + c + 1]) return -1;  // no key in this bucket

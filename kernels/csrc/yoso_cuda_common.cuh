@@ -21,7 +21,7 @@ __host__ __device__ __forceinline__ float load(const float* p, int64_t i) { retu
 __host__ __device__ __forceinline__ float load(const __half* p, int64_t i) { return __half2float(p[i]); }
 __host__ __device__ __forceinline__ float load(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
 
-__device__ __forceinline__ bool live(int code, int nb) { return code >= 0 && code < nb; }
+__host__ __device__ __forceinline__ bool live(int64_t code, int nb) { return code >= 0 && code < nb; }
 
 __host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ int min32(int a, int b) { return a < b ? a : b; }

@@ -16,17 +16,15 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from yoso_testkit import build_host_driver
+from yoso_testkit import HOST_RANDOM, build_host_driver
 
-DRIVER = r"""
+DRIVER = HOST_RANDOM + r"""
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 #include "yoso_cuda.cu"
 
-static unsigned long long state = 1;
-static unsigned next_u() { state = state * 6364136223846793005ull + 1442695040888963407ull; return unsigned(state >> 33); }
 static float next_f() { return float(next_u() % 2000001) / 1000000.f - 1.f; }
 
 // The contract: per query row and column, the group's hashes in increasing order, one fp32 add each.
@@ -67,10 +65,7 @@ int main(int argc, char** argv) {
   state = strtoull(argv[10], nullptr, 10);
   const long long nk = layout == 2 ? nb / 2 : 4 * nb, table_rows = layout == 2 ? nk : nb;
   std::vector<int32_t> codes(bh * m * nq), offsets;
-  for (auto& c : codes) {
-    const unsigned r = next_u() % 20;
-    c = r == 0 ? -1 : r == 1 ? nb + int(next_u() % 3) : int(next_u() % nb);  // masked, past 2^tau, live
-  }
+  for (auto& c : codes) c = random_code(nb);
   if (layout) {
     offsets.resize(bh * group * (nb + 1));
     for (long long s = 0; s < bh * group; ++s) {

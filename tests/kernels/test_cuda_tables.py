@@ -16,17 +16,15 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from yoso_testkit import build_host_driver
+from yoso_testkit import HOST_RANDOM, build_host_driver
 
-DRIVER = r"""
+DRIVER = HOST_RANDOM + r"""
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 #include "yoso_cuda.cu"
 
-static unsigned long long state = 1;
-static unsigned next_u() { state = state * 6364136223846793005ull + 1442695040888963407ull; return unsigned(state >> 33); }
 
 template <typename T> static int run(long long bh, long long m, long long nk, long long dv, int tau, long long group,
                                      long long h0) {
@@ -34,10 +32,7 @@ template <typename T> static int run(long long bh, long long m, long long nk, lo
   const int chunk = smem_table_cols(dv, nb);
   if (chunk == 0) return -1;
   std::vector<int32_t> codes(bh * m * nk);
-  for (auto& c : codes) {
-    const unsigned r = next_u() % 20;
-    c = r == 0 ? -1 : r == 1 ? nb + int(next_u() % 3) : int(next_u() % nb);
-  }
+  for (auto& c : codes) c = random_code(nb);
   std::vector<T> v(bh * nk * dv);
   std::vector<float> vf(v.size());
   for (size_t i = 0; i < v.size(); ++i) {

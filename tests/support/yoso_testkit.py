@@ -72,6 +72,19 @@ def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> N
     torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=rtol, atol=rtol * scale)
 
 
+# C++ for host drivers that draw their own inputs: a seeded LCG (`state`, next_u) and a hash code for
+# 2^tau = nb buckets, one in 20 masked (-1) and one in 20 past the table (nb .. nb + 2, which the
+# kernels treat as masked), the rest uniform.
+HOST_RANDOM = r"""
+static unsigned long long state = 1;
+static unsigned next_u() { state = state * 6364136223846793005ull + 1442695040888963407ull; return unsigned(state >> 33); }
+static int random_code(int nb) {
+  const unsigned r = next_u() % 20;
+  return r == 0 ? -1 : r == 1 ? nb + int(next_u() % 3) : int(next_u() % nb);
+}
+"""
+
+
 def build_host_driver(out: Path, source: str, *csrc_files: str) -> Path:
     """Compile a driver's CUDA source (host code calling the kernels' host or __host__ __device__
     code, so it runs on a CPU) with the kernels' csrc/ on the include path and the named csrc
