@@ -16,6 +16,7 @@ import torch
 from .hashing import _projection, check_int8_dim, padded_dim, quantize_rows, rotation_signs
 
 MAX_ROTATE_DIM = 2048  # kYosoMaxRotateDim in csrc/yoso_cuda.h: the rotation kernel's P limit
+MAX_INT8_KERNEL_DIM = 64  # kYosoMaxInt8KernelDim in csrc/yoso_cuda.h: the int8 hash kernel's D limit
 
 
 @functools.lru_cache(maxsize=64)
@@ -29,20 +30,25 @@ def cuda_ops(ext, gemm_codes):
 
     codes: the fast family runs the fused rotation (equal to ``hash_codes_ref`` bit for bit,
     and no (BH, N, m·τ) fp32 scores in memory) up to P = 2048; the Gaussian family, and the
-    rotation past that, is ``gemm_codes`` (one GEMM, then bit packing); int8 hashing quantizes
-    the rows and sends them to the same GEMM and packing with the int8 planes, giving
-    ``hash_codes(int8=True)``'s codes. cumulate reads v in its own dtype (fp16/bf16 kernels, fp32 sums) and
+    rotation past that, is ``gemm_codes`` (one GEMM, then bit packing); int8 hashing runs
+    ``hash_int8_cuda`` up to D = 64 (rows quantized, projected on the int8 planes and packed in one
+    kernel) and past that quantizes the rows and sends them to the same GEMM and packing, giving
+    ``hash_codes(int8=True)``'s codes either way. cumulate reads v in its own dtype (fp16/bf16 kernels, fp32 sums) and
     follows ``torch.use_deterministic_algorithms``; weighted needs one dtype for its three
     inputs, and the backward mixes fp32 gradients with v, so mixed inputs go to fp32.
     """
 
     def codes(x, num_hashes, hash_bits, seed, fast_hash, int8=False):
         if int8:
-            # hash_codes(int8=True)'s arithmetic: rows quantized in PyTorch, then the binding's fp32 GEMM
-            # against the int8 planes (sums of integers below 2^24: exact in any order, so the same
-            # scores) and hash_pack_cuda, one pass from scores to codes instead of four in PyTorch
-            check_int8_dim(x.shape[-1])
-            proj = _projection(seed, x.shape[1], num_hashes, hash_bits, x.shape[-1], bool(fast_hash), x.device, True)
+            # hash_codes(int8=True)'s arithmetic: sums of integers below 2^24, exact in any order, so
+            # the kernel's per-row sums and the GEMM's give the same codes
+            batch, heads, length, dim = x.shape
+            check_int8_dim(dim)
+            proj = _projection(seed, heads, num_hashes, hash_bits, dim, bool(fast_hash), x.device, True)
+            if dim <= MAX_INT8_KERNEL_DIM:  # no (BH, N, m·τ) scores in memory, no PyTorch passes
+                rows = x.float().reshape(batch * heads, length, dim).contiguous()
+                return ext.hash_int8_cuda(rows, proj, num_hashes, hash_bits).view(batch, heads, num_hashes, length)
+            # wider heads: rows quantized in PyTorch, the binding's fp32 GEMM and hash_pack_cuda
             return ext.fast_hash_codes(quantize_rows(x.float()).contiguous(), proj, num_hashes, hash_bits, False)
         if not fast_hash or padded_dim(x.shape[-1], hash_bits) > MAX_ROTATE_DIM:
             return gemm_codes(x, num_hashes, hash_bits, seed, fast_hash)

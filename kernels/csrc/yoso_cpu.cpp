@@ -312,6 +312,30 @@ torch::Tensor hash_rotate_cuda(const torch::Tensor& x, const torch::Tensor& sign
   return codes;
 }
 
+torch::Tensor hash_int8_cuda(const torch::Tensor& x, const torch::Tensor& planes, int64_t num_hashes,
+                            int64_t hash_bits) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_cuda_tensor(x, "x", 3, x);
+  check_cuda_tensor(planes, "planes", 3, x);
+  YOSO_CHECK(x.scalar_type() == at::kFloat && planes.scalar_type() == at::kFloat,
+             "x and planes must be float32, got ", c10::toString(x.scalar_type()), " and ",
+             c10::toString(planes.scalar_type()));
+  YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
+             hash_bits);
+  YOSO_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
+  YOSO_CHECK(x.size(2) >= 1 && x.size(2) <= kYosoMaxInt8KernelDim, "the int8 hash kernel takes head dimensions D in 1..",
+             kYosoMaxInt8KernelDim, ", got D = ", x.size(2));
+  YOSO_CHECK(planes.size(0) >= 1 && x.size(0) % planes.size(0) == 0 && planes.size(1) == x.size(2) &&
+                 planes.size(2) == num_hashes * hash_bits,
+             "planes must be (H, D, num_hashes*hash_bits) with H dividing BH, for x (BH, N, D) ", x.sizes(), ": got ",
+             planes.sizes());
+  torch::Tensor codes = torch::empty({x.size(0), num_hashes, x.size(1)}, x.options().dtype(at::kInt));
+  check_cuda_call(yoso_hash_int8(x.data_ptr<float>(), planes.data_ptr<float>(), codes.data_ptr<int32_t>(), x.size(0),
+                                 planes.size(0), x.size(1), x.size(2), num_hashes, static_cast<int>(hash_bits),
+                                 c10::cuda::getCurrentCUDAStream()));
+  return codes;
+}
+
 torch::Tensor fast_hash_codes_cuda(const torch::Tensor& x, const torch::Tensor& proj, int64_t num_hashes,
                                    int64_t hash_bits) {
   const c10::cuda::CUDAGuard guard(x.device());
@@ -441,6 +465,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hash_rotate_cuda", &hash_rotate_cuda,
         "(x (BH, N, D) fp32, signs (H, m, 3, P) fp32, hash_bits) -> (BH, m, N) int32",
         py::arg("x"), py::arg("signs"), py::arg("hash_bits"));
+  m.def("hash_int8_cuda", &hash_int8_cuda,
+        "(x (BH, N, D) fp32, D <= 64, planes (H, D, m*tau) fp32 int8 levels, num_hashes, hash_bits) -> (BH, m, N) "
+        "int32: rows quantized, projected and packed in one kernel (hash_codes(int8=True)'s codes)",
+        py::arg("x"), py::arg("planes"), py::arg("num_hashes"), py::arg("hash_bits"));
 #endif
   register_fused_ops(m);   // yoso_cpu_fused.cpp
   register_finish_ops(m);  // yoso_cpu_finish.cpp

@@ -28,6 +28,7 @@
 // Kernel-side limits, checked by the launchers (and quoted in their messages).
 constexpr int kYosoMaxHashBits = 16;
 constexpr int kYosoMaxRotateDim = 2048;  // P, the padded dimension of the fast rotation
+constexpr int kYosoMaxInt8KernelDim = 64;  // D, the head dimension yoso_hash_int8 takes (wider: GEMM)
 
 enum class YosoDtype : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -80,3 +81,11 @@ const char* yoso_hash_pack(const float* proj, int32_t* codes, int64_t bh, int64_
 // (never fused) adds, so the codes equal hashing.hash_codes_ref bit for bit.
 const char* yoso_hash_rotate(const float* x, const float* signs, int32_t* codes, int64_t bh, int64_t heads,
                              int64_t n, int64_t d, int64_t m, int64_t p, int hash_bits, cudaStream_t stream);
+
+// Int8 hashing of rows x (bh, n, d) fp32, 1 <= d <= 64, in one kernel: each row quantized to
+// x8 = round(x / max|x| * 127) (round half to even; a zero row stays zero), then codes (bh, m, n) int32
+// with bit t of hash h = [sum_c x8[c] * planes[bh % heads][c][h * hash_bits + t] > 0]; planes
+// (heads, d, m * hash_bits) fp32 integers in [-127, 127] (not checked: reading them back would sync).
+// The sums are exact, so the codes equal hashing.hash_codes(int8=True)'s bit for bit.
+const char* yoso_hash_int8(const float* x, const float* planes, int32_t* codes, int64_t bh, int64_t heads, int64_t n,
+                           int64_t d, int64_t m, int hash_bits, cudaStream_t stream);

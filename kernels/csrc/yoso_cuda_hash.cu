@@ -3,9 +3,12 @@
 // The Gaussian family is one GEMM (torch.matmul / cuBLAS on the Python side) and then
 // hash_pack_kernel, which turns the m*tau projections of a row into m packed codes. The fast
 // family runs H.D3.H.D2.H.D1 per (row, hash): in one thread's registers up to P = 64, else in
-// one warp on shared memory.
+// one warp on shared memory. Int8 hashing up to D = 64 quantizes, projects and packs a row in one
+// thread's registers (no scores in memory); wider heads take the GEMM.
 
 #include "yoso_cuda.h"
+
+#include <cmath>
 
 namespace {
 
@@ -125,6 +128,94 @@ void launch_rotate_register(const float* x, const float* signs, int32_t* codes, 
       x, signs, codes, bh, heads, n, d, m, tau);
 }
 
+constexpr int kInt8Threads = 128;      // the int8 kernel: one thread per (row, group of hashes)
+
+__host__ __device__ inline float rn_div(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+__host__ __device__ inline float round_half_even(float a) {
+#ifdef __CUDA_ARCH__
+  return rintf(a);
+#else
+  return std::nearbyint(a);  // the default rounding mode: to nearest, ties to even
+#endif
+}
+
+// x8 = round((x / s) * 127), s = max|x| (1 where that is not > 0): hashing.quantize_rows' fp32 division,
+// product and round half to even, and the CPU kernels' quantize_row (a NaN is skipped by the max, as there).
+template <int P>
+__host__ __device__ inline void quantize_row(const float* row, int64_t d, float (&x8)[P]) {
+  float s = 0.f;
+  YOSO_UNROLL
+  for (int c = 0; c < P; ++c)
+    if (c < d) {
+      const float a = fabsf(row[c]);
+      s = a > s ? a : s;
+    }
+  if (!(s > 0.f)) s = 1.f;
+  YOSO_UNROLL
+  for (int c = 0; c < P; ++c) x8[c] = c < d ? round_half_even(rn_mul(rn_div(row[c], s), 127.f)) : 0.f;
+}
+
+// One thread per (row, group of kHashesPerThread hashes), rows fastest (as rotate_item): the row is
+// quantized once into registers, then bit t of hash h is [sum_c x8[c] * w[c][h * tau + t] > 0]. Every
+// product and partial sum is an integer below 127 * 127 * 64 < 2^24, so the fp32 sums (fused or not,
+// in any order) are exact: the codes equal hashing.hash_codes(int8=True)'s, whose GEMM sums the same
+// integers. planes (heads, d, m * tau) fp32 integers in [-127, 127]; row bh uses head bh % heads.
+template <int P>
+__host__ __device__ inline void int8_hash_item(int64_t item, const float* x, const float* planes, int32_t* codes,
+                                               int64_t bh_count, int64_t heads, int64_t n, int64_t d, int64_t m,
+                                               int tau) {
+  const int64_t groups = (m + kHashesPerThread - 1) / kHashesPerThread;
+  if (item >= bh_count * groups * n) return;
+  const int64_t i = item % n, g = (item / n) % groups, bh = item / (n * groups);  // (bh, group, i), i fastest
+  float x8[P];
+  quantize_row<P>(x + (bh * n + i) * d, d, x8);
+  const int64_t cols = m * tau;
+  const float* w = planes + (bh % heads) * d * cols;
+  const int64_t h_end = (g + 1) * kHashesPerThread < m ? (g + 1) * kHashesPerThread : m;
+  for (int64_t h = g * kHashesPerThread; h < h_end; ++h) {
+    float acc[kYosoMaxHashBits];
+    YOSO_UNROLL
+    for (int t = 0; t < kYosoMaxHashBits; ++t) acc[t] = 0.f;
+    const float* wc = w + h * tau;  // row c of the planes, hash h's tau columns (one pointer, bumped)
+    YOSO_UNROLL
+    for (int c = 0; c < P; ++c) {
+      if (c < d) {
+        YOSO_UNROLL
+        for (int t = 0; t < kYosoMaxHashBits; ++t)
+          if (t < tau) acc[t] += x8[c] * wc[t];
+      }
+      wc += cols;
+    }
+    int32_t code = 0;
+    YOSO_UNROLL
+    for (int t = 0; t < kYosoMaxHashBits; ++t)
+      if (t < tau) code |= int32_t(acc[t] > 0.f) << t;
+    codes[(bh * m + h) * n + i] = code;
+  }
+}
+
+template <int P>
+__global__ void __launch_bounds__(kInt8Threads)
+    hash_int8_kernel(const float* x, const float* planes, int32_t* codes, int64_t bh_count, int64_t heads, int64_t n,
+                     int64_t d, int64_t m, int tau) {
+  int8_hash_item<P>(blockIdx.x * int64_t(kInt8Threads) + threadIdx.x, x, planes, codes, bh_count, heads, n, d, m,
+                    tau);
+}
+
+template <int P>
+void launch_hash_int8(const float* x, const float* planes, int32_t* codes, int64_t bh, int64_t heads, int64_t n,
+                      int64_t d, int64_t m, int tau, cudaStream_t stream) {
+  const int64_t groups = (m + kHashesPerThread - 1) / kHashesPerThread;
+  hash_int8_kernel<P><<<blocks_for(bh * groups * n, kInt8Threads), kInt8Threads, 0, stream>>>(
+      x, planes, codes, bh, heads, n, d, m, tau);
+}
+
 // One warp per (row, hash); the padded vector lives in shared memory. __fmul_rn/__fadd_rn/
 // __fsub_rn are never contracted into FMAs, so each value sees the same roundings as on CPU.
 __global__ void __launch_bounds__(kRotateWarps * 32)
@@ -190,5 +281,22 @@ const char* yoso_hash_rotate(const float* x, const float* signs, int32_t* codes,
   const size_t smem = size_t(kRotateWarps) * p * sizeof(float);
   hash_rotate_kernel<<<blocks_for(bh * n * m, kRotateWarps), kRotateWarps * 32, smem, stream>>>(
       x, signs, codes, bh, heads, n, d, m, static_cast<int>(p), hash_bits);
+  return launched();
+}
+
+const char* yoso_hash_int8(const float* x, const float* planes, int32_t* codes, int64_t bh, int64_t heads, int64_t n,
+                           int64_t d, int64_t m, int hash_bits, cudaStream_t stream) {
+  if (hash_bits < 1 || hash_bits > kYosoMaxHashBits) return "hash_bits must be in 1..16";
+  if (d < 1 || d > kYosoMaxInt8KernelDim) return "the int8 hash kernel takes head dimensions D in 1..64";
+  if (heads < 1 || bh % heads != 0) return "batch*heads must be a multiple of the heads in planes";
+  if (bh * m * n == 0) return nullptr;
+  if (d <= 16) {
+    launch_hash_int8<16>(x, planes, codes, bh, heads, n, d, m, hash_bits, stream);
+  } else if (d <= 32) {
+    launch_hash_int8<32>(x, planes, codes, bh, heads, n, d, m, hash_bits, stream);
+  } else {
+    static_assert(kYosoMaxInt8KernelDim == 64, "the int8 kernel is instantiated for D up to 16, 32 and 64");
+    launch_hash_int8<64>(x, planes, codes, bh, heads, n, d, m, hash_bits, stream);
+  }
   return launched();
 }

@@ -262,13 +262,18 @@ def test_hash_codes_on_cuda_agree_with_cpu(fast_hash):
     assert (on_gpu == on_cpu).float().mean().item() > 0.999
 
 
+@pytest.mark.parametrize("dim", [32, 64, 96])
 @pytest.mark.parametrize("fast_hash", [True, False])
-def test_int8_codes_of_the_cuda_op_equal_the_cpu_kernels_bit_for_bit(ext, fast_hash):
-    """Int8 hashing on CUDA (quantized rows, the binding's GEMM and hash_pack_cuda) sums integers
-    exactly, so its codes equal hash_codes(int8=True) and the CPU extension's, every one."""
+def test_int8_codes_of_the_cuda_op_equal_the_cpu_kernels_bit_for_bit(ext, fast_hash, dim):
+    """Int8 hashing on CUDA (hash_int8_cuda up to D = 64; past it quantized rows, the binding's GEMM
+    and hash_pack_cuda) sums integers exactly, so its codes equal hash_codes(int8=True) and the CPU
+    extension's, every one."""
     from yoso_serve.kernels.yoso import _kernels
 
-    x = torch.randn(2, 3, 300, 32, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(2, 3, 300, dim, generator=torch.Generator().manual_seed(6))
+    x[0, 0, 0] = 0  # a zero row quantizes to zeros: every code 0
+    x[0, 1, 1] = 0
+    x[0, 1, 1, :2] = torch.tensor([2.0, 1.0])  # 1 / 2 · 127 = 63.5: rounds half to even
     args = (16, 8, 5, fast_hash, True)
     on_gpu = _kernels("cuda", torch.device("cuda")).codes(x.cuda(), *args).cpu()
     assert torch.equal(on_gpu, hash_codes(x, num_hashes=16, hash_bits=8, seed=5, fast_hash=fast_hash, int8=True))

@@ -45,6 +45,15 @@ class StandIn:
                 codes[row, h] = hashing._codes_from_bits(bits)
         return codes
 
+    def hash_int8_cuda(self, x, planes, num_hashes, hash_bits):
+        """x (BH, N, D ≤ 64) fp32, planes (H, D, m·τ) int8 levels: hash_codes(int8=True)'s codes (BH, m, N)."""
+        assert x.dtype == planes.dtype == torch.float32 and x.is_contiguous() and x.dim() == 3
+        assert x.shape[-1] <= 64, "the kernel takes D <= 64"
+        self.calls.append(("int8", tuple(x.shape), tuple(planes.shape)))
+        rows, length = hashing.quantize_rows(x), x.shape[1]
+        scores = torch.matmul(rows, planes.repeat(x.shape[0] // planes.shape[0], 1, 1))  # row bh: head bh % H
+        bits = scores.view(x.shape[0], length, num_hashes, hash_bits) > 0
+        return hashing._codes_from_bits(bits).permute(0, 2, 1).contiguous()
 
     def fast_hash_codes(self, x, proj, num_hashes, hash_bits, int8=False):
         """CUDA x (B, H, N, D) fp32 and proj (H, D, m·τ): one GEMM, then hash_pack_cuda's bits."""
@@ -79,15 +88,21 @@ def test_the_gaussian_family_and_wide_rotations_go_to_the_gemm():
 
 
 @pytest.mark.parametrize("fast_hash", [True, False])
-def test_int8_hashing_sends_quantized_rows_to_the_gemm_and_packing(fast_hash):
-    """The int8 planes and the quantized rows go to the binding's GEMM + pack (one pass from scores
-    to codes): the codes are hash_codes(int8=True)'s, which the CPU kernels also give."""
+def test_int8_hashing_runs_the_int8_kernel_up_to_d64_and_the_gemm_past_it(fast_hash):
+    """Up to D = 64 the raw rows and the int8 planes go to hash_int8_cuda (quantize, project and pack
+    in one kernel); wider heads send quantized rows to the binding's GEMM + pack. Either way the
+    codes are hash_codes(int8=True)'s, which the CPU kernels also give."""
     ext = StandIn()
     codes, _, _ = cuda_ops(ext, gemm_codes)
-    x = torch.randn(2, 3, 29, 24, generator=torch.Generator().manual_seed(5))
-    got = codes(x, 4, 8, 7, fast_hash, True)
-    assert ext.calls == [("gemm", (2, 3, 29, 24), (3, 24, 32))]
-    assert torch.equal(got, hashing.hash_codes(x, num_hashes=4, hash_bits=8, seed=7, fast_hash=fast_hash, int8=True))
+    gen = torch.Generator().manual_seed(5)
+    for dim, call in ((24, ("int8", (6, 29, 24), (3, 24, 32))), (64, ("int8", (6, 29, 64), (3, 64, 32))),
+                      (65, ("gemm", (2, 3, 29, 65), (3, 65, 32)))):
+        ext.calls.clear()
+        x = torch.randn(2, 3, 29, dim, generator=gen)
+        got = codes(x, 4, 8, 7, fast_hash, True)
+        assert ext.calls == [call]
+        assert torch.equal(got, hashing.hash_codes(x, num_hashes=4, hash_bits=8, seed=7, fast_hash=fast_hash,
+                                                   int8=True))
     with pytest.raises(ValueError, match="D <= "):
         codes(torch.randn(1, 1, 2, hashing.MAX_INT8_DIM + 1), 4, 8, 7, fast_hash, True)
 

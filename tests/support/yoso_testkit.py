@@ -85,11 +85,15 @@ static int random_code(int nb) {
 """
 
 
-def build_host_driver(out: Path, source: str, *csrc_files: str) -> Path:
+ASAN_FLAGS = ("-Xcompiler", "-fsanitize=address", "-lasan")
+
+
+def build_host_driver(out: Path, source: str, *csrc_files: str, flags: tuple[str, ...] = ()) -> Path:
     """Compile a driver's CUDA source (host code calling the kernels' host or __host__ __device__
     code, so it runs on a CPU) with the kernels' csrc/ on the include path and the named csrc
     files linked in, for one device target; fails the test when there is no CUDA toolkit, which
-    CI must have to compile the kernels."""
+    CI must have to compile the kernels. ``flags``: more nvcc arguments (ASAN_FLAGS: every host
+    read and write bounds-checked, a bad one ends the driver with AddressSanitizer's report)."""
     import pytest
 
     import yoso_serve.kernels
@@ -101,7 +105,7 @@ def build_host_driver(out: Path, source: str, *csrc_files: str) -> Path:
     csrc = Path(yoso_serve.kernels.__file__).resolve().parent / "csrc"
     (out / "driver.cu").write_text(source)
     cmd = [str(home / "bin" / "nvcc"), "-std=c++17", "-O1", "-gencode=arch=compute_80,code=sm_80", f"-I{csrc}",
-           str(out / "driver.cu"), *(str(csrc / name) for name in csrc_files), "-o", str(out / "driver")]
+           *flags, str(out / "driver.cu"), *(str(csrc / name) for name in csrc_files), "-o", str(out / "driver")]
     built = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-4000:]
     return out / "driver"
