@@ -36,7 +36,7 @@ __global__ void hash_pack_kernel(const float* proj, int32_t* codes, int64_t bh_c
 }
 
 constexpr int kRotateWarps = 4;
-constexpr int kRotateThreads = 128;    // the register kernel: one thread per (row, group of hashes)
+constexpr int kRotateThreads = 128;    // the register kernels: one thread per (row, group of hashes)
 constexpr int kHashesPerThread = 8;    // hashes one thread runs on its row, which stays in registers
 constexpr int kMaxRegisterRotateDim = 64;
 
@@ -113,23 +113,6 @@ __host__ __device__ inline void rotate_item(int64_t item, const float* x, const 
   }
 }
 
-template <int P>
-__global__ void __launch_bounds__(kRotateThreads)
-    hash_rotate_register_kernel(const float* x, const float* signs, int32_t* codes, int64_t bh_count, int64_t heads,
-                                int64_t n, int64_t d, int64_t m, int tau) {
-  rotate_item<P>(blockIdx.x * int64_t(kRotateThreads) + threadIdx.x, x, signs, codes, bh_count, heads, n, d, m, tau);
-}
-
-template <int P>
-void launch_rotate_register(const float* x, const float* signs, int32_t* codes, int64_t bh, int64_t heads, int64_t n,
-                            int64_t d, int64_t m, int tau, cudaStream_t stream) {
-  const int64_t groups = (m + kHashesPerThread - 1) / kHashesPerThread;
-  hash_rotate_register_kernel<P><<<blocks_for(bh * groups * n, kRotateThreads), kRotateThreads, 0, stream>>>(
-      x, signs, codes, bh, heads, n, d, m, tau);
-}
-
-constexpr int kInt8Threads = 128;      // the int8 kernel: one thread per (row, group of hashes)
-
 __host__ __device__ inline float rn_div(float a, float b) {
 #ifdef __CUDA_ARCH__
   return __fdiv_rn(a, b);
@@ -200,20 +183,25 @@ __host__ __device__ inline void int8_hash_item(int64_t item, const float* x, con
   }
 }
 
-template <int P>
-__global__ void __launch_bounds__(kInt8Threads)
-    hash_int8_kernel(const float* x, const float* planes, int32_t* codes, int64_t bh_count, int64_t heads, int64_t n,
-                     int64_t d, int64_t m, int tau) {
-  int8_hash_item<P>(blockIdx.x * int64_t(kInt8Threads) + threadIdx.x, x, planes, codes, bh_count, heads, n, d, m,
-                    tau);
+// The register kernels, one thread per (row, group of kHashesPerThread hashes): Item is
+// rotate_item<P> or int8_hash_item<P>, whose arguments are the same but for what `table` holds
+// (the rotation's signs, or the int8 planes).
+using HashItem = void (*)(int64_t, const float*, const float*, int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int);
+
+template <HashItem Item>
+__global__ void __launch_bounds__(kRotateThreads)
+    hash_groups_kernel(const float* x, const float* table, int32_t* codes, int64_t bh_count, int64_t heads, int64_t n,
+                       int64_t d, int64_t m, int tau) {
+  Item(blockIdx.x * int64_t(kRotateThreads) + threadIdx.x, x, table, codes, bh_count, heads, n, d, m, tau);
 }
 
-template <int P>
-void launch_hash_int8(const float* x, const float* planes, int32_t* codes, int64_t bh, int64_t heads, int64_t n,
-                      int64_t d, int64_t m, int tau, cudaStream_t stream) {
+template <HashItem Item>
+void launch_hash_groups(const float* x, const float* table, int32_t* codes, int64_t bh, int64_t heads, int64_t n,
+                        int64_t d, int64_t m, int tau, cudaStream_t stream) {
   const int64_t groups = (m + kHashesPerThread - 1) / kHashesPerThread;
-  hash_int8_kernel<P><<<blocks_for(bh * groups * n, kInt8Threads), kInt8Threads, 0, stream>>>(
-      x, planes, codes, bh, heads, n, d, m, tau);
+  hash_groups_kernel<Item><<<blocks_for(bh * groups * n, kRotateThreads), kRotateThreads, 0, stream>>>(
+      x, table, codes, bh, heads, n, d, m, tau);
 }
 
 // One warp per (row, hash); the padded vector lives in shared memory. __fmul_rn/__fadd_rn/
@@ -268,13 +256,13 @@ const char* yoso_hash_rotate(const float* x, const float* signs, int32_t* codes,
   // Up to P = 64 (head dimensions up to 64) a thread holds the row in registers: one warp per
   // (row, hash) on shared memory spent 87 ms of a 96 ms YOSO-32 forward at N = 65536 on an H100.
   switch (p) {
-    case 1: launch_rotate_register<1>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
-    case 2: launch_rotate_register<2>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
-    case 4: launch_rotate_register<4>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
-    case 8: launch_rotate_register<8>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
-    case 16: launch_rotate_register<16>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
-    case 32: launch_rotate_register<32>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
-    case 64: launch_rotate_register<64>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
+    case 1: launch_hash_groups<rotate_item<1>>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
+    case 2: launch_hash_groups<rotate_item<2>>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
+    case 4: launch_hash_groups<rotate_item<4>>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
+    case 8: launch_hash_groups<rotate_item<8>>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
+    case 16: launch_hash_groups<rotate_item<16>>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
+    case 32: launch_hash_groups<rotate_item<32>>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
+    case 64: launch_hash_groups<rotate_item<64>>(x, signs, codes, bh, heads, n, d, m, hash_bits, stream); return launched();
     default: break;  // P > kMaxRegisterRotateDim: the warp kernel below
   }
   static_assert(kMaxRegisterRotateDim == 64, "the switch above instantiates P up to 64");
@@ -291,12 +279,12 @@ const char* yoso_hash_int8(const float* x, const float* planes, int32_t* codes, 
   if (heads < 1 || bh % heads != 0) return "batch*heads must be a multiple of the heads in planes";
   if (bh * m * n == 0) return nullptr;
   if (d <= 16) {
-    launch_hash_int8<16>(x, planes, codes, bh, heads, n, d, m, hash_bits, stream);
+    launch_hash_groups<int8_hash_item<16>>(x, planes, codes, bh, heads, n, d, m, hash_bits, stream);
   } else if (d <= 32) {
-    launch_hash_int8<32>(x, planes, codes, bh, heads, n, d, m, hash_bits, stream);
+    launch_hash_groups<int8_hash_item<32>>(x, planes, codes, bh, heads, n, d, m, hash_bits, stream);
   } else {
     static_assert(kYosoMaxInt8KernelDim == 64, "the int8 kernel is instantiated for D up to 16, 32 and 64");
-    launch_hash_int8<64>(x, planes, codes, bh, heads, n, d, m, hash_bits, stream);
+    launch_hash_groups<int8_hash_item<64>>(x, planes, codes, bh, heads, n, d, m, hash_bits, stream);
   }
   return launched();
 }
