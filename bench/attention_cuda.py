@@ -6,7 +6,9 @@ with the flash backend, in the same process. For every N: forward and forward+ba
 (``torch.cuda.max_memory_allocated`` above the inputs), plus the deterministic mode's cost for
 YOSO-32. The cumulation kernel alone is also timed, and its compulsory traffic (codes, V
 and the output, each read or written once) is divided by the bandwidth of a device-to-device
-copy measured in the same run: the fraction of the memory bandwidth the kernel achieves.
+copy measured in the same run: the fraction of the memory bandwidth the kernel achieves. Hash
+codes are timed three ways (int8 in one kernel, int8 as quantize + GEMM + pack, the fp32 rotation)
+on the bench's heads and on the bundled model's shape (8 × 4096 tokens, 12 heads of 32).
 Prints a markdown table and the issue's targets, writes a PNG plot.
 
 Runs only with CUDA (exits with a message otherwise):
@@ -110,6 +112,45 @@ def kernel_row(ext, n: int, heads: int, dim: int, hashes: int, bits: int, repeat
     return {"n": n, "hashes": hashes, "ms": ms, "fraction": compulsory / (ms / 1e3) / bandwidth}
 
 
+# (batch, heads, N, D): the bench's heads at two lengths, and the bundled model's (8 documents of 4096
+# tokens, 12 heads of 32), whose int8 hashing ran as quantize + GEMM + pack until 2026-11-28
+HASH_SHAPES = [(1, 12, 8192, 64), (1, 12, 65536, 64), (8, 12, 4096, 32)]
+
+
+def hash_row(ext, shape: tuple, hashes: int, bits: int, repeats: int, device: str = "cuda", timer=None) -> dict:
+    """Codes of one (B, H, N, D) input three ways, timed: int8 hashing as the op runs it (one kernel up to
+    D = 64), int8 hashing as it ran before (rows quantized in PyTorch, cuBLAS GEMM, hash_pack_cuda), and
+    the fp32 fast rotation (hash_rotate_cuda); plus whether the two int8 paths gave the same codes."""
+    from yoso_serve.kernels._cuda import cuda_ops
+    from yoso_serve.kernels.hashing import _projection, quantize_rows
+
+    timer = timer or timed
+    codes, _, _ = cuda_ops(ext, None)
+    x = torch.randn(*shape, device=device, generator=torch.Generator(device=device).manual_seed(2))
+    proj = _projection(0, shape[1], hashes, bits, shape[3], True, x.device, True)
+
+    def gemm():
+        return ext.fast_hash_codes(quantize_rows(x).contiguous(), proj, hashes, bits, False)
+
+    def kernel():
+        return codes(x, hashes, bits, 0, True, True)
+
+    row = {"shape": shape, "int8_ms": timer(kernel, repeats), "gemm_ms": timer(gemm, repeats),
+           "rotate_ms": timer(lambda: codes(x, hashes, bits, 0, True, False), repeats)}
+    row["equal"] = bool(torch.equal(kernel(), gemm()))
+    return row
+
+
+def print_hash_rows(rows: list[dict], hashes: int, bits: int) -> None:
+    print(f"\n### Hash codes of one input (m={hashes}, τ={bits}; int8 as the bundled model hashes)\n")
+    print("| B·H × N × D | int8 kernel ms | int8 via GEMM ms (before) | speed-up | fp32 rotation ms | int8 codes equal |")
+    print("|---|---:|---:|---:|---:|---|")
+    for r in rows:
+        b, h, n, d = r["shape"]
+        print(f"| {b * h} × {n} × {d} | {r['int8_ms']:.3f} | {r['gemm_ms']:.3f} | {r['gemm_ms'] / r['int8_ms']:.2f}× | "
+              f"{r['rotate_ms']:.3f} | {'yes' if r['equal'] else 'NO'} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768, 65536])
@@ -154,6 +195,8 @@ def main() -> None:
     kernels = [kernel_row(ext, n, args.heads, args.dim, 32, args.hash_bits, args.repeats, bandwidth)
                for n in args.lengths]
     print_tables(rows, kernels, device)
+    print_hash_rows([hash_row(ext, shape, 32, args.hash_bits, args.repeats) for shape in HASH_SHAPES], 32,
+                    args.hash_bits)
     print_targets(rows)
     plot(rows, args.plot, device)
     for n in args.profile:
