@@ -14,47 +14,16 @@ from __future__ import annotations
 
 import subprocess
 
-import numpy as np
 import pytest
 import torch
-from yoso_testkit import ASAN_FLAGS, build_host_driver
+from yoso_testkit import ASAN_FLAGS, HASH_GROUPS_DRIVER, build_host_driver, run_hash_groups
 
 from yoso_serve.kernels.hashing import _projection, hash_codes
-
-DRIVER = r"""
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-#include "yoso_cuda_hash.cu"
-// argv: bh heads n d m tau P extra, then files x (bh*n*d fp32), planes (heads*d*m*tau fp32), codes out.
-template <int P> int run(char** a) {
-  const long long bh = atoll(a[1]), heads = atoll(a[2]), n = atoll(a[3]), d = atoll(a[4]), m = atoll(a[5]);
-  const int tau = atoi(a[6]);
-  const long long extra = atoll(a[8]);
-  std::vector<float> x(bh * n * d), w(heads * d * m * tau);
-  std::vector<int32_t> codes(bh * m * n, -7);
-  FILE* f = fopen(a[9], "rb"); if (!f || fread(x.data(), 4, x.size(), f) != x.size()) return 2; fclose(f);
-  f = fopen(a[10], "rb"); if (!f || fread(w.data(), 4, w.size(), f) != w.size()) return 2; fclose(f);
-  const long long groups = (m + kHashesPerThread - 1) / kHashesPerThread;
-  for (long long item = 0; item < bh * groups * n + extra; ++item)  // + threads past the end of the grid
-    int8_hash_item<P>(item, x.data(), w.data(), codes.data(), bh, heads, n, d, m, tau);
-  f = fopen(a[11], "wb"); fwrite(codes.data(), 4, codes.size(), f); fclose(f);
-  return 0;
-}
-int main(int argc, char** argv) {
-  if (argc != 12) return 3;
-  switch (atoi(argv[7])) {
-    case 16: return run<16>(argv); case 32: return run<32>(argv); case 64: return run<64>(argv);
-    default: return 4;
-  }
-}
-"""
-
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
     # it includes yoso_cuda_hash.cu; AddressSanitizer: a read past the planes or the rows fails the run
-    return build_host_driver(tmp_path_factory.mktemp("int8"), DRIVER, flags=ASAN_FLAGS)
+    return build_host_driver(tmp_path_factory.mktemp("int8"), HASH_GROUPS_DRIVER, flags=ASAN_FLAGS)
 
 
 def instantiation(dim: int) -> int:
@@ -80,13 +49,7 @@ def test_int8_kernel_codes_equal_hash_codes_int8_bit_for_bit(driver, case, tmp_p
         x[-1, -1, 1, 1:3] = torch.tensor([1.0, -1.0])
     x[0, -1, 2] *= 1e-30  # a tiny row quantizes like its scaled-up self
     planes = _projection(seed, heads, m, tau, dim, fast_hash, torch.device("cpu"), True)  # (H, D, m·τ) levels
-    x.numpy().tofile(tmp_path / "x.bin")
-    planes.numpy().tofile(tmp_path / "w.bin")
-    args = [batch * heads, heads, n, dim, m, tau, instantiation(dim), 300, tmp_path / "x.bin", tmp_path / "w.bin",
-            tmp_path / "c.bin"]
-    done = subprocess.run([str(driver), *map(str, args)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    got = torch.from_numpy(np.fromfile(tmp_path / "c.bin", dtype=np.int32)).view(batch, heads, m, n)
+    got = run_hash_groups(driver, "int8", x, planes, m, tau, instantiation(dim), tmp_path)
     want = hash_codes(x, num_hashes=m, hash_bits=tau, seed=seed, fast_hash=fast_hash, int8=True)  # (B, H, m, N)
     assert torch.equal(got, want.to(torch.int32))
     assert (got[0, 0, :, 0] == 0).all()

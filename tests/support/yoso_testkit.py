@@ -87,6 +87,61 @@ static int random_code(int nb) {
 
 ASAN_FLAGS = ("-Xcompiler", "-fsanitize=address", "-lasan")
 
+# The register hash kernels' per-thread items (yoso_cuda_hash.cu: rotate_item, int8_hash_item) run on the
+# CPU for every thread index a launch makes, and `extra` past the grid's end. argv: kind (rotate | int8)
+# bh heads n d m tau P extra table_floats, then files x (bh*n*d fp32), table (table_floats fp32: the
+# rotation's signs or the int8 planes), codes out. Buffers are exactly their size.
+HASH_GROUPS_DRIVER = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include "yoso_cuda_hash.cu"
+template <HashItem Item> int run(char** a) {
+  const long long bh = atoll(a[2]), heads = atoll(a[3]), n = atoll(a[4]), d = atoll(a[5]), m = atoll(a[6]);
+  const int tau = atoi(a[7]);
+  const long long extra = atoll(a[9]), table = atoll(a[10]);
+  std::vector<float> x(bh * n * d), w(table);
+  std::vector<int32_t> codes(bh * m * n, -7);
+  FILE* f = fopen(a[11], "rb"); if (!f || fread(x.data(), 4, x.size(), f) != x.size()) return 2; fclose(f);
+  f = fopen(a[12], "rb"); if (!f || fread(w.data(), 4, w.size(), f) != w.size()) return 2; fclose(f);
+  const long long groups = (m + kHashesPerThread - 1) / kHashesPerThread;
+  for (long long item = 0; item < bh * groups * n + extra; ++item)
+    Item(item, x.data(), w.data(), codes.data(), bh, heads, n, d, m, tau);
+  f = fopen(a[13], "wb"); fwrite(codes.data(), 4, codes.size(), f); fclose(f);
+  return 0;
+}
+template <int P> int kind(char** a) {
+  if (!strcmp(a[1], "rotate")) return run<rotate_item<P>>(a);
+  if (!strcmp(a[1], "int8")) return run<int8_hash_item<P>>(a);
+  return 5;
+}
+int main(int argc, char** argv) {
+  if (argc != 14) return 3;
+  switch (atoi(argv[8])) {
+    case 1: return kind<1>(argv); case 2: return kind<2>(argv); case 4: return kind<4>(argv);
+    case 8: return kind<8>(argv); case 16: return kind<16>(argv); case 32: return kind<32>(argv);
+    case 64: return kind<64>(argv); default: return 4;
+  }
+}
+"""
+
+
+def run_hash_groups(driver: Path, kind: str, x, table, m: int, tau: int, p: int, work: Path):
+    """Codes (B, H, m, N) int32 of HASH_GROUPS_DRIVER (built by build_host_driver) for x (B, H, N, D)
+    fp32 and the kernel's table (signs (H, m, 3, P) for "rotate", planes (H, D, m·τ) for "int8")."""
+    import numpy as np
+    import torch
+
+    batch, heads, n, dim = x.shape
+    x.numpy().tofile(work / "x.bin")
+    table.numpy().tofile(work / "table.bin")
+    args = [kind, batch * heads, heads, n, dim, m, tau, p, 300, table.numel(), work / "x.bin", work / "table.bin",
+            work / "codes.bin"]
+    done = subprocess.run([str(driver), *map(str, args)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return torch.from_numpy(np.fromfile(work / "codes.bin", dtype=np.int32)).view(batch, heads, m, n)
+
 
 def build_host_driver(out: Path, source: str, *csrc_files: str, flags: tuple[str, ...] = ()) -> Path:
     """Compile a driver's CUDA source (host code calling the kernels' host or __host__ __device__
