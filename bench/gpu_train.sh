@@ -14,7 +14,8 @@
 # 15 MiB parts, the config, the metrics and the log.
 #
 # Environment: GPU_TRAIN_MINUTES (4: training time before the checkpoint), GPU_TRAIN_STEPS (2000: the
-# schedule's length; the run stops at the minutes), GPU_TRAIN_BATCH (16 documents a step), GPU_TRAIN_SEED
+# schedule's length; the run stops at the minutes), GPU_TRAIN_BATCH (16 documents a step),
+# GPU_TRAIN_NEIGHBOURHOOD (3 x the batch: the consecutive documents a step's are drawn from), GPU_TRAIN_SEED
 # (21), GPU_TRAIN_ARGS (more longdoc options, appended), GPU_TRAIN_DEVICE (auto; `cpu` for the stand-in
 # test), GPU_TRAIN_DOCS (the JSONL --kit packs; default the pipeline's longdoc-data-wide training
 # documents), GPU_TRAIN_KIT (the kit's folder, .kit). Then here: `--unpack`, and score DEST with the pipeline's retrieval evals.
@@ -84,6 +85,10 @@ for flag, value in (("--model", str(bundled_model_dir())), ("--teacher", "init")
                     ("--out", e("GPU_TRAIN_OUT")), ("--seed", e("GPU_TRAIN_SEED", "21")),
                     ("--batch-size", e("GPU_TRAIN_BATCH", "16")), ("--max-steps", e("GPU_TRAIN_STEPS", "2000"))):
     argv[argv.index(flag) + 1] = value
+# A step's documents come from a neighbourhood of consecutive documents at least as large as the batch:
+# stage nine draws 4 from 12, so 16 come from 48.
+batch = int(argv[argv.index("--batch-size") + 1])
+argv[argv.index("--neighbourhood") + 1] = e("GPU_TRAIN_NEIGHBOURHOOD", str(3 * batch))
 argv += ["--device", e("GPU_TRAIN_DEVICE", "auto"), *e("GPU_TRAIN_ARGS", "").split()]
 print("argv:", " ".join(argv), flush=True)
 t0 = time.time()

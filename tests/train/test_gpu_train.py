@@ -41,9 +41,9 @@ def test_without_a_gpu_or_a_kit_it_stops_with_one_line(tmp_path):
 @pytest.mark.slow  # loads the bundled model three times and trains two steps: 15-60 s on two shared cores
 def test_kit_train_and_unpack_give_a_model_that_embeds(tmp_path):
     docs = tmp_path / "docs.jsonl"
-    docs.write_text("".join(json.dumps(r) + "\n" for r in doc_rows(8)))
+    docs.write_text("".join(json.dumps(r) + "\n" for r in doc_rows(40)))  # 20 per source: the batch of 16 fits
     env = {"PYTHON": sys.executable, "GPU_TRAIN_KIT": str(tmp_path / "kit"), "GPU_TRAIN_DOCS": str(docs),
-           "GPU_TRAIN_DEVICE": "cpu", "OUT": str(tmp_path / "out"), "GPU_TRAIN_STEPS": "2", "GPU_TRAIN_BATCH": "2",
+           "GPU_TRAIN_DEVICE": "cpu", "OUT": str(tmp_path / "out"), "GPU_TRAIN_STEPS": "2",
            "GPU_TRAIN_ARGS": "--curriculum 64:1 --short-pairs 2 --queue 4 --segment-tokens 16 --save-every 1"}
     packed = run("--kit", env=env)
     assert packed.returncode == 0, packed.stderr
@@ -54,6 +54,8 @@ def test_kit_train_and_unpack_give_a_model_that_embeds(tmp_path):
     out = tmp_path / "out"
     log = (out / "train.log").read_text()
     assert "--teacher init" in log and "RESULT rc=0" in log
+    # the call's own batch (16) with a neighbourhood it fits in: stage nine's 12 would refuse it
+    assert "--batch-size 16 " in log and "--neighbourhood 48 " in log
     parts = sorted(out.glob("model.safetensors.part-*"))
     assert parts and all(p.stat().st_size <= 15 << 20 for p in parts)
     assert len(list(out.iterdir())) <= 8  # the device tool brings back 8 files at most
