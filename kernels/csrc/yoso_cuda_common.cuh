@@ -8,14 +8,13 @@
 #include <algorithm>
 
 #include "yoso_cuda.h"
+#include "yoso_cuda_launch.cuh"
 
 namespace {
 
-constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr size_t kStaticSmem = 48 * 1024;  // no opt-in needed on any target
 constexpr size_t kWorkspaceBudget = size_t(256) << 20;  // scratch per call, unless one row needs more
-constexpr unsigned kFull = 0xffffffffu;
 
 __host__ __device__ __forceinline__ float load(const float* p, int64_t i) { return p[i]; }
 __host__ __device__ __forceinline__ float load(const __half* p, int64_t i) { return __half2float(p[i]); }
@@ -143,18 +142,6 @@ __global__ void __launch_bounds__(kThreads) bucket_sort_kernel(SortArgs a) {
     if (ok && lane == __ffs(peers) - 1) mine[c] += __popc(peers);
     __syncwarp();
   }
-}
-
-const char* launched() {
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
-}
-
-// Grid size; 0 (which the launch rejects as an invalid configuration) past CUDA's 2^31 - 1
-// blocks, so an oversized problem fails loudly instead of being cut short.
-unsigned blocks_for(int64_t work, int64_t per_block) {
-  const int64_t blocks = (work + per_block - 1) / per_block;
-  return blocks > 0x7fffffff ? 0u : static_cast<unsigned>(blocks);
 }
 
 const char* check_params(const YosoCumulateParams& p) {

@@ -6,24 +6,12 @@
 // one warp on shared memory. Int8 hashing up to D = 64 quantizes, projects and packs a row in one
 // thread's registers (no scores in memory); wider heads take the GEMM.
 
-#include "yoso_cuda.h"
-
 #include <cmath>
 
+#include "yoso_cuda.h"
+#include "yoso_cuda_launch.cuh"
+
 namespace {
-
-constexpr int kThreads = 256;
-constexpr unsigned kFull = 0xffffffffu;
-
-const char* launched() {
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
-}
-
-unsigned blocks_for(int64_t work, int64_t per_block) {
-  const int64_t blocks = (work + per_block - 1) / per_block;
-  return blocks > 0x7fffffff ? 0u : static_cast<unsigned>(blocks);
-}
 
 __global__ void hash_pack_kernel(const float* proj, int32_t* codes, int64_t bh_count, int64_t n, int64_t m, int tau) {
   const int64_t idx = blockIdx.x * int64_t(kThreads) + threadIdx.x;
