@@ -20,6 +20,7 @@ from yoso_testkit import ASAN_FLAGS, HASH_GROUPS_DRIVER, build_host_driver, run_
 
 from yoso_serve.kernels.hashing import _projection, hash_codes
 
+
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
     # it includes yoso_cuda_hash.cu; AddressSanitizer: a read past the planes or the rows fails the run
