@@ -40,6 +40,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from yoso_serve.model import EncoderModel, load_pretrained
+from yoso_serve.model.encoder import POSITION_OFFSET
 from yoso_serve.model.pieces import piece_means
 from yoso_serve.model.argtypes import bounded
 
@@ -107,6 +108,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "what chunking with the same model keeps, as a floor for the whole read")
     p.add_argument("--own-window-tokens", type=bounded(int, 16), default=240,
                    help="window size of --w-own-windows, specials included")
+    p.add_argument("--train-positions-from", type=bounded(int, 0), default=0,
+                   help="train only the position embeddings of token positions N and up (counted from 0), everything "
+                        "else frozen: inputs of at most N tokens embed bit for bit as the starting model's (0 = train "
+                        "everything)")
     p.add_argument("--save-fp16", action="store_true", help="store model/ in fp16 (the bundled format)")
     add_common_arguments(p, lr=2e-5, batch_size=4, epochs=1, dropout=0.0)
 
@@ -490,6 +495,8 @@ def run(args: argparse.Namespace) -> int:
                              tokens=min(args.mine_tokens, teacher.max_positions), pad_id=tok.pad_id,
                              device=session.device) if args.mined_neighbours else None)
     prepare_model(args, student.encoder, student.config.num_hidden_layers)
+    if args.train_positions_from:
+        train_positions_only(student.encoder, args.train_positions_from)
     module = LongDocLoss(student, temperature=args.temperature, queue=args.queue,
                          weights=(args.w_short, args.w_distill), w_segment=args.w_segment,
                          segment=segment_sizes[0], w_kernel=args.w_kernel, kernel_beta=args.kernel_beta,
@@ -552,7 +559,8 @@ def run(args: argparse.Namespace) -> int:
             batch["t_short"] = teacher.embed(batch["short_ids"], batch["short_mask"])
         return batch
 
-    options = dataclasses.replace(train_options(args), lr_scales=(("log_scale", args.temperature_lr_scale),))
+    options = dataclasses.replace(train_options(args), lr_scales=(("log_scale", args.temperature_lr_scale),),
+                                  no_decay=(POSITION_WEIGHT,) if args.train_positions_from else ())
     options.batch_size = 1  # one slot per micro-batch; --batch-size documents are drawn inside it
     slots = max(1, sum(len(d) for d in corpus.by_source.values()) // args.batch_size)
     trainer = Trainer(module, StepSlots(slots), collate, prepare, options=options, run=session.run,
@@ -563,6 +571,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 INIT_TEACHER = "init"
+POSITION_WEIGHT = "embeddings.position_embeddings.weight"
+
+
+def train_positions_only(encoder: torch.nn.Module, first: int) -> None:
+    """Freeze every parameter of ``encoder`` but the position embeddings of token positions ``first`` and up.
+    The rows below get a zero gradient (so AdamW leaves them exactly as they are, with no weight decay on the
+    table: ``POSITION_WEIGHT`` goes in ``no_decay``): an input of at most ``first`` tokens never reads a
+    trained row, so it embeds bit for bit as before, at every hash count."""
+    table = encoder.embeddings.position_embeddings.weight
+    rows = table.shape[0] - POSITION_OFFSET
+    if not 0 < first < rows:
+        raise ValueError(f"--train-positions-from must be in 1..{rows - 1} (the model has {rows} positions), "
+                         f"got {first}")
+    for p in encoder.parameters():
+        p.requires_grad_(False)
+    table.requires_grad_(True)
+    keep = torch.zeros(table.shape[0], 1, dtype=table.dtype, device=table.device)
+    keep[first + POSITION_OFFSET:] = 1
+    table.register_hook(lambda grad: grad * keep)
 
 
 class FrozenStart:

@@ -49,6 +49,7 @@ class TrainOptions:
     max_minutes: float = 0.0  # 0 = no time limit; else stop (and save) after this long
     # (name suffix, factor): parameters whose name ends with the suffix train at lr × factor
     lr_scales: tuple[tuple[str, float], ...] = ()
+    no_decay: tuple[str, ...] = ()  # name suffixes of parameters kept out of weight decay (besides BERT's)
 
     def validate(self) -> None:
         for name in ("epochs", "batch_size", "grad_accum", "log_every", "save_every"):
@@ -245,12 +246,13 @@ class Trainer:
 
 
 def _adamw(module: nn.Module, o: TrainOptions) -> torch.optim.Optimizer:
-    """AdamW without weight decay on biases and LayerNorm weights (BERT's recipe); parameters
-    matched by ``o.lr_scales`` get their own group at the scaled learning rate."""
+    """AdamW without weight decay on biases and LayerNorm weights (BERT's recipe) and on parameters matched
+    by ``o.no_decay``; parameters matched by ``o.lr_scales`` get their own group at the scaled learning rate."""
     groups: dict[tuple[bool, float], list] = {}
     for name, p in module.named_parameters():
         if p.requires_grad:
-            plain = p.ndim < 2 or "LayerNorm" in name or "norm" in name.lower()
+            plain = (p.ndim < 2 or "LayerNorm" in name or "norm" in name.lower()
+                     or any(name.endswith(suffix) for suffix in o.no_decay))
             scale = next((f for suffix, f in o.lr_scales if name.endswith(suffix)), 1.0)
             groups.setdefault((not plain, scale), []).append(p)
     if not groups:

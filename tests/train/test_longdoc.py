@@ -750,3 +750,37 @@ def test_longdoc_with_w_own_windows_pulls_the_one_pass_to_its_windows(tiny_bert,
     plain = tmp_path / "plain"
     assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, plain, "--max-steps", "2")) == 0
     assert "own_windows_loss" not in read_events(plain, "train")[0]
+
+
+def test_train_positions_from_trains_only_the_later_positions(tiny_bert, tiny_yoso, docs_file, tmp_path):
+    """`--train-positions-from N`: every weight but the position rows N and up stays bit for bit (weight decay
+    included), those rows move, and so an input of at most N tokens embeds exactly as the starting model's
+    at every hash count, while a longer one does not."""
+    from yoso_serve.model import load_pretrained
+    from yoso_serve.model.encoder import POSITION_OFFSET
+
+    first, out = 40, tmp_path / "positions"
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "6",
+                             "--train-positions-from", str(first))) == 0
+    before, after = load_pretrained(tiny_yoso), load_pretrained(out / "model")
+    old, new = before.encoder.state_dict(), after.encoder.state_dict()
+    table = "embeddings.position_embeddings.weight"
+    assert all(torch.equal(old[k], new[k]) for k in old if k != table)
+    assert torch.equal(old[table][:first + POSITION_OFFSET], new[table][:first + POSITION_OFFSET])
+    assert not torch.equal(old[table][first + POSITION_OFFSET:], new[table][first + POSITION_OFFSET:])
+    text = " ".join(["alpha beta gamma loop"] * 40)
+    short = torch.tensor([before.tokenizer.encode([text], max_length=first)[0]])
+    long = torch.tensor([before.tokenizer.encode([text], max_length=120)[0]])
+    assert short.shape[1] == first and long.shape[1] == 120
+    for hashes in (0, 8):
+        assert torch.equal(before.embed(short, torch.ones_like(short), hashes=hashes),
+                           after.embed(short, torch.ones_like(short), hashes=hashes))
+    assert not torch.equal(before.embed(long, torch.ones_like(long), hashes=0),
+                           after.embed(long, torch.ones_like(long), hashes=0))
+
+
+def test_train_positions_from_refuses_a_row_the_model_lacks(tiny_bert, tiny_yoso, docs_file, tmp_path, capsys):
+    argv = longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "bad", "--max-steps", "2",
+                        "--train-positions-from", "128")
+    assert main(argv) != 0
+    assert "--train-positions-from must be in 1..127" in capsys.readouterr().err
