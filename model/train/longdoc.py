@@ -482,6 +482,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("the student checkpoint has no tokenizer files")
     if stages[-1][0] > student.config.max_length:
         raise ValueError(f"--curriculum reaches {stages[-1][0]} tokens; the model has {student.config.max_length}")
+    if args.train_positions_from:  # checked before the teacher and the corpus load
+        train_positions_only(student.encoder, args.train_positions_from)
     teacher = (FrozenStart(load_pretrained(args.model, device=session.device)) if str(args.teacher) == INIT_TEACHER
                else BertTeacher.from_dir(args.teacher, device=session.device))
     tok = student.tokenizer
@@ -495,8 +497,6 @@ def run(args: argparse.Namespace) -> int:
                              tokens=min(args.mine_tokens, teacher.max_positions), pad_id=tok.pad_id,
                              device=session.device) if args.mined_neighbours else None)
     prepare_model(args, student.encoder, student.config.num_hidden_layers)
-    if args.train_positions_from:
-        train_positions_only(student.encoder, args.train_positions_from)
     module = LongDocLoss(student, temperature=args.temperature, queue=args.queue,
                          weights=(args.w_short, args.w_distill), w_segment=args.w_segment,
                          segment=segment_sizes[0], w_kernel=args.w_kernel, kernel_beta=args.kernel_beta,
@@ -579,8 +579,7 @@ def train_positions_only(encoder: torch.nn.Module, first: int) -> None:
     The rows below get a zero gradient (so AdamW leaves them exactly as they are, with no weight decay on the
     table: ``POSITION_WEIGHT`` goes in ``no_decay``): an input of at most ``first`` tokens never reads a
     trained row, so it embeds bit for bit as before, at every hash count."""
-    table = encoder.embeddings.position_embeddings.weight
-    rows = table.shape[0] - POSITION_OFFSET
+    table, rows = encoder.embeddings.position_embeddings.weight, encoder.embeddings.max_positions
     if not 0 < first < rows:
         raise ValueError(f"--train-positions-from must be in 1..{rows - 1} (the model has {rows} positions), "
                          f"got {first}")

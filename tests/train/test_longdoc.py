@@ -758,13 +758,13 @@ def test_train_positions_from_trains_only_the_later_positions(tiny_bert, tiny_yo
     at every hash count, while a longer one does not."""
     from yoso_serve.model import load_pretrained
     from yoso_serve.model.encoder import POSITION_OFFSET
+    from yoso_serve.model.train.longdoc import POSITION_WEIGHT as table
 
     first, out = 40, tmp_path / "positions"
     assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "6",
                              "--train-positions-from", str(first))) == 0
     before, after = load_pretrained(tiny_yoso), load_pretrained(out / "model")
     old, new = before.encoder.state_dict(), after.encoder.state_dict()
-    table = "embeddings.position_embeddings.weight"
     assert all(torch.equal(old[k], new[k]) for k in old if k != table)
     assert torch.equal(old[table][:first + POSITION_OFFSET], new[table][:first + POSITION_OFFSET])
     assert not torch.equal(old[table][first + POSITION_OFFSET:], new[table][first + POSITION_OFFSET:])
