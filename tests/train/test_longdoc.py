@@ -678,6 +678,35 @@ def test_cut_negatives_read_each_crop_without_its_span_blocks(tiny_bert, tiny_yo
     assert mean(rows[-4:], "long_loss") < mean(rows[:4], "long_loss")
 
 
+def test_cut_fixed_reads_the_copies_without_gradient(tiny_bert, tiny_yoso, docs_file, tmp_path, monkeypatch, capsys):
+    """--cut-fixed: the cut copies are read with gradient off (a fixed negative, no activations kept), the
+    crops and the short texts with it on; without --cut-negatives the option is refused by name."""
+    from yoso_serve.model.train import longdoc
+
+    graded = {}
+    real = longdoc.LongDocLoss.embed
+
+    def embed(self, ids, mask, hashes):
+        graded.setdefault(int(ids.shape[0]), set()).add(torch.is_grad_enabled())
+        return real(self, ids, mask, hashes)
+
+    monkeypatch.setattr(longdoc.LongDocLoss, "embed", embed)
+    seen = []
+    forward = longdoc.LongDocLoss.forward
+    monkeypatch.setattr(longdoc.LongDocLoss, "forward", lambda self, b: seen.append(b) or forward(self, b))
+    out = tmp_path / "fixed"
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "4", "--cut-negatives",
+                             "--cut-fixed")) == 0
+    cut_rows = {int(b["cut_ids"].shape[0]) for b in seen}
+    short_rows = {int(b["short_ids"].shape[0]) for b in seen}
+    assert cut_rows.isdisjoint(short_rows)  # the two reads are told apart by their row counts
+    assert all(graded[n] == {False} for n in cut_rows)
+    assert all(graded[n] == {True} for n in short_rows)
+    assert any("cut_win" in r for r in read_events(out, "train"))
+    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "bad", "--cut-fixed")) == 2
+    assert "--cut-fixed fixes the copies of --cut-negatives" in capsys.readouterr().err
+
+
 def test_a_cut_copy_is_its_crop_less_exactly_the_span_blocks(tiny_bert, tiny_yoso, docs_file, tmp_path, monkeypatch):
     from yoso_serve.model.train import longdoc
 
