@@ -104,8 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "differs from their document only by them")
     p.add_argument("--cut-fixed", action="store_true",
                    help="with --cut-negatives, read the cut copies without gradient: a fixed negative that moves only "
-                        "the spans and their whole documents, and keeps no activations for the copies (16 documents a "
-                        "step then fit 24 GiB without --gradient-checkpointing)")
+                        "the spans and their whole documents, and keeps no activations for the copies")
     p.add_argument("--w-own-windows", type=bounded(float, 0), default=0.0,
                    help="weight of a pull of each crop's one-pass embedding towards the student's own "
                         "--own-window-tokens windows of it, each read alone (exact, no gradient), unit and averaged: "
