@@ -38,6 +38,9 @@ Stages, each resumable and each writing under ``--work`` (default ``runs/default
 
 ``python -m yoso_serve.model.train.default_model all`` runs every stage in order; the model
 that is evaluated and bundled is the long-document one (``final_model``).
+
+``compare --model DIR [--baseline DIR]`` (not a stage of ``all``) scores a candidate against the bundle on the
+corpora the targets are judged on, paired query by query (compare.py).
 """
 
 from __future__ import annotations
@@ -369,6 +372,22 @@ def retrieval_argv(work: Path, model: Path, teacher: Path, name: str, docs: str,
             "--query-draws", str(QUERY_DRAWS), "--retrieval-docs", str(RETRIEVAL_DOCS), "--own-windows"]
 
 
+def transfer_evals(work: Path, model: Path, teacher: Path, out: Path | None = None) -> dict[str, list[str]]:
+    """The deep-retrieval evals the targets are judged on, name → argv: the PostgreSQL documents and the two
+    corpora of the seven packages no stage trains on (the second past the first's documents), each written
+    to ``out``/name (default ``work``/name)."""
+    argvs = {"retrieval-transfer": retrieval_argv(work, model, teacher, "retrieval-transfer", "transfer"),
+             "retrieval-unseen": retrieval_argv(work, model, teacher, "retrieval-unseen", "transfer",
+                                                corpus="longdoc-data-unseen"),
+             "retrieval-unseen-2": retrieval_argv(work, model, teacher, "retrieval-unseen-2", "transfer",
+                                                  corpus="longdoc-data-unseen") + ["--retrieval-skip",
+                                                                                   str(RETRIEVAL_DOCS)]}
+    if out is not None:
+        for name, argv in argvs.items():
+            argv[argv.index("--out") + 1] = str(out / name)
+    return argvs
+
+
 PIECE_TOKENS = 128  # the piece size the piece evaluations index (the teacher's windows the same size)
 
 
@@ -412,12 +431,17 @@ EVALS = ("eval-converted", "eval-student", "retrieval-transfer", "retrieval-unse
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="default_model", description=__doc__.splitlines()[0])
     p.add_argument("stage", choices=("data", *CORPORA, *STAGES, "serve-settings", "eval", *EVALS, "finetune",
-                                      "topics-teacher", "topics-student", "bundle", "all"))
+                                      "topics-teacher", "topics-student", "bundle", "all", "compare"))
     p.add_argument("--work", type=Path, default=Path("runs/default-model"))
     p.add_argument("--html-root", type=Path, default=DEFAULT_HTML_ROOT)
     p.add_argument("--minutes", type=float, default=0.0,
                    help="time limit of each distillation stage (0 = full schedule)")
+    p.add_argument("--model", type=Path, help="compare: the candidate model directory")
+    p.add_argument("--baseline", type=Path,
+                   help="compare: the model it is compared with (default: the bundled model)")
     args = p.parse_args(argv)
+    if (args.stage == "compare") != (args.model is not None) or args.baseline and args.stage != "compare":
+        p.error("--model (with --baseline optional) goes with the compare stage, and compare needs --model")
     try:
         return _run_stages(args)
     except ValueError as exc:  # a bad path or data: one line, as yoso-train says it
@@ -437,13 +461,8 @@ def _run_stages(args: argparse.Namespace) -> int:
     runs = {
         "eval-converted": lambda: _cli(eval_argv(work, work / "distill" / "init", teacher, "eval-converted")),
         "eval-student": lambda: _cli(eval_argv(work, final_model(work), teacher, "eval-student")),
-        "retrieval-transfer": lambda: _cli(retrieval_argv(work, final_model(work), teacher, "retrieval-transfer",
-                                                          "transfer")),
-        "retrieval-unseen": lambda: _cli(retrieval_argv(work, final_model(work), teacher, "retrieval-unseen",
-                                                        "transfer", corpus="longdoc-data-unseen")),
-        "retrieval-unseen-2": lambda: _cli(retrieval_argv(work, final_model(work), teacher, "retrieval-unseen-2",
-                                                          "transfer", corpus="longdoc-data-unseen")
-                                           + ["--retrieval-skip", str(RETRIEVAL_DOCS)]),
+        **{name: (lambda argv=argv: _cli(argv))
+           for name, argv in transfer_evals(work, final_model(work), teacher).items()},
         "retrieval-heldout": lambda: _cli(retrieval_argv(work, final_model(work), teacher, "retrieval-heldout",
                                                          "heldout")),
         "retrieval-refined": lambda: _cli(retrieval_argv(work, work / "refine" / "model", teacher,
@@ -463,6 +482,15 @@ def _run_stages(args: argparse.Namespace) -> int:
         "topics-teacher": lambda: _cli(finetune_argv(work, teacher, "topics-teacher")),
         "topics-student": lambda: _cli(finetune_argv(work, final_model(work), "topics-student")),
     }
+    if args.stage == "compare":
+        from .compare import run_compare
+        from yoso_serve.model.default import bundled_model_dir
+
+        baseline = args.baseline or bundled_model_dir()
+        if baseline is None:
+            raise ValueError("no bundled model to compare with: pass --baseline")
+        run_compare(work, args.model, baseline, transfer_evals(work, args.model, teacher), _cli)
+        return 0
     groups = {"eval": list(EVALS), "finetune": ["topics-teacher", "topics-student"]}
     order = ["data", "distill", "refine", "longdoc-data", "longdoc", "longdoc2", "longdoc3", "longdoc-data-wide",
              "longdoc4", "longdoc-data-unseen", "serve-settings", "longdoc5", "longdoc6", "longdoc7",

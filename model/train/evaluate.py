@@ -18,6 +18,7 @@ Results go to ``results.json`` and ``metrics.jsonl`` in ``--out`` and a markdown
 from __future__ import annotations
 
 import argparse
+import hashlib
 import time
 from pathlib import Path
 from typing import Callable
@@ -195,7 +196,9 @@ def retrieval_results(args: argparse.Namespace, model: EncoderModel, teacher: Be
     emb = retrieval.Embedders(model, teacher, hashes=hashes, window=args.window, device=device)
     deep, margins, hits = retrieval.deep_retrieval(emb, docs, queries, segment=segment,
                                                      own_windows=args.own_windows)
-    return {"deep_retrieval": deep, "deep_margin": margins, "deep_hits": hits,
+    # what the hits are hits on: two evals' hits pair up query by query only if this matches
+    corpus = hashlib.sha256("\x00".join([*docs, "\x01", *queries]).encode()).hexdigest()
+    return {"deep_retrieval": deep, "deep_margin": margins, "deep_hits": hits, "deep_corpus_sha256": corpus,
             "short_retrieval": retrieval.short_retrieval(emb, firsts, rests) if len(firsts) >= 2 else []}
 
 

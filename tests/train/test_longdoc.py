@@ -661,6 +661,10 @@ def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, w
                  "--window", "16", "--query-draws", "3", "--out", str(tmp_path / "draws")]) == 0
     drawn = json.loads((tmp_path / "draws" / "results.json").read_text())["deep_retrieval"]
     assert {(r["docs"], r["queries"]) for r in drawn} == {(6, 18)}
+    # what the hits are hits on: the same documents and queries whatever rows are added, other draws not
+    corpus = {name: json.loads((tmp_path / name / "results.json").read_text())["deep_corpus_sha256"]
+              for name in ("single", "own", "finer", "draws")}
+    assert corpus["single"] == corpus["own"] == corpus["finer"] == results["deep_corpus_sha256"] != corpus["draws"]
     assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
                  "--window", "16", "--query-draws", "0", "--out", str(tmp_path / "bad0")]) == 2
     assert "--query-draws must be >= 1, got 0" in capsys.readouterr().err
