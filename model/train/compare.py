@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -57,6 +58,7 @@ def score(model_dir: Path, argvs: dict[str, list[str]], cache: Path, run: Callab
         argv[argv.index("--out") + 1] = str(out / name)
         path = out / name / "results.json"
         if not path.is_file():
+            shutil.rmtree(out / name, ignore_errors=True)  # an eval stopped before its results: start it again
             run(argv)
         results[name] = json.loads(path.read_text(encoding="utf-8"))
     return results
