@@ -9,7 +9,8 @@ packages (the short target: 0.97 × the teacher's there).
 
 A model's evals are kept under ``WORK/compare/KEY``, KEY a digest of its weights and config.json, so the
 baseline is scored once per machine and a checkpoint retrained in place is scored again. The evals skip the
-multi-vector rows and the student's own windows, which the comparison does not read. The report is also written to ``WORK/compare/CANDIDATE-vs-BASELINE.json``.
+multi-vector rows and the student's own windows, which the comparison does not read. The report is also
+written to ``WORK/compare/CANDIDATE-vs-BASELINE.json``.
 """
 
 from __future__ import annotations
