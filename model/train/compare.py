@@ -48,10 +48,9 @@ def compare_argv(argv: list[str]) -> list[str]:
     return [a for a in argv if a != "--own-windows"] + ["--segment", "0"]
 
 
-def score(model_dir: Path, argvs: dict[str, list[str]], cache: Path, run: Callable[[list[str]], None]) -> dict:
+def score(model_dir: Path, argvs: dict[str, list[str]], out: Path, run: Callable[[list[str]], None]) -> dict:
     """Each eval of ``argvs`` (name → argv, whose --model and --out this rewrites) of ``model_dir``, run by
-    ``run`` unless ``cache``/KEY/name already holds its results; name → results."""
-    out = cache / model_key(model_dir)
+    ``run`` unless ``out``/name already holds its results; name → results."""
     results = {}
     for name, argv in argvs.items():
         argv = compare_argv(argv)
@@ -125,10 +124,12 @@ def run_compare(work: Path, candidate: Path, baseline: Path, argvs: dict[str, li
                 run: Callable[[list[str]], None]) -> dict:
     """Score both models (cached), print the table and write the report; returns it."""
     cache = work / "compare"
-    scored = {who: score(path, argvs, cache, run) for who, path in (("candidate", candidate), ("baseline", baseline))}
+    keys = {"candidate": model_key(candidate), "baseline": model_key(baseline)}  # each model's files read once
+    scored = {who: score(path, argvs, cache / keys[who], run)
+              for who, path in (("candidate", candidate), ("baseline", baseline))}
     report = compare(scored["candidate"], scored["baseline"])
     report.update(candidate=str(candidate), baseline=str(baseline))
-    path = cache / f"{model_key(candidate)}-vs-{model_key(baseline)}.json"
+    path = cache / f"{keys['candidate']}-vs-{keys['baseline']}.json"
     path.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     print(table(report, str(candidate), str(baseline)))
     print(f"\nwritten to {path}")

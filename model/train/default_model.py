@@ -372,20 +372,16 @@ def retrieval_argv(work: Path, model: Path, teacher: Path, name: str, docs: str,
             "--query-draws", str(QUERY_DRAWS), "--retrieval-docs", str(RETRIEVAL_DOCS), "--own-windows"]
 
 
-def transfer_evals(work: Path, model: Path, teacher: Path, out: Path | None = None) -> dict[str, list[str]]:
+def transfer_evals(work: Path, model: Path, teacher: Path) -> dict[str, list[str]]:
     """The deep-retrieval evals the targets are judged on, name → argv: the PostgreSQL documents and the two
     corpora of the seven packages no stage trains on (the second past the first's documents), each written
-    to ``out``/name (default ``work``/name)."""
-    argvs = {"retrieval-transfer": retrieval_argv(work, model, teacher, "retrieval-transfer", "transfer"),
+    to ``work``/name."""
+    return {"retrieval-transfer": retrieval_argv(work, model, teacher, "retrieval-transfer", "transfer"),
              "retrieval-unseen": retrieval_argv(work, model, teacher, "retrieval-unseen", "transfer",
                                                 corpus="longdoc-data-unseen"),
              "retrieval-unseen-2": retrieval_argv(work, model, teacher, "retrieval-unseen-2", "transfer",
                                                   corpus="longdoc-data-unseen") + ["--retrieval-skip",
                                                                                    str(RETRIEVAL_DOCS)]}
-    if out is not None:
-        for name, argv in argvs.items():
-            argv[argv.index("--out") + 1] = str(out / name)
-    return argvs
 
 
 PIECE_TOKENS = 128  # the piece size the piece evaluations index (the teacher's windows the same size)
