@@ -377,11 +377,11 @@ def transfer_evals(work: Path, model: Path, teacher: Path) -> dict[str, list[str
     corpora of the seven packages no stage trains on (the second past the first's documents), each written
     to ``work``/name."""
     return {"retrieval-transfer": retrieval_argv(work, model, teacher, "retrieval-transfer", "transfer"),
-             "retrieval-unseen": retrieval_argv(work, model, teacher, "retrieval-unseen", "transfer",
-                                                corpus="longdoc-data-unseen"),
-             "retrieval-unseen-2": retrieval_argv(work, model, teacher, "retrieval-unseen-2", "transfer",
-                                                  corpus="longdoc-data-unseen") + ["--retrieval-skip",
-                                                                                   str(RETRIEVAL_DOCS)]}
+            "retrieval-unseen": retrieval_argv(work, model, teacher, "retrieval-unseen", "transfer",
+                                               corpus="longdoc-data-unseen"),
+            "retrieval-unseen-2": retrieval_argv(work, model, teacher, "retrieval-unseen-2", "transfer",
+                                                 corpus="longdoc-data-unseen") + ["--retrieval-skip",
+                                                                                  str(RETRIEVAL_DOCS)]}
 
 
 PIECE_TOKENS = 128  # the piece size the piece evaluations index (the teacher's windows the same size)
