@@ -64,6 +64,11 @@ def _onednn_linear():
 ONEDNN_LINEAR = _onednn_linear()
 
 
+# The longest K one bf16 GEMM call takes (Linear's bf16 path): measured on a Xeon with AMX (torch 2.13.0,
+# 2 threads), K 384 gave every row the same bits at any row count from 1 to 1100, while K 768 and 1536 gave
+# three or four different roundings by row count (AVX512-BF16 without AMX: the same bits from 2 rows up).
+BF16_K_BLOCK = 384
+
 # Activations oneDNN applies inside the GEMM with aten's exact formula (bit-identical outputs; its tanh
 # GELU differs from aten's by up to 1.5e-4 relative, so those stay a separate pass).
 FUSED_ACTIVATIONS = {"gelu": ("gelu", "none"), "relu": ("relu", "")}
@@ -97,7 +102,11 @@ class Linear(nn.Linear):
     rounded to bf16, outputs come back as fp32 (the residual add of :meth:`plus` in fp32), except
     :meth:`activated`'s, which stays bf16 for the next GEMM that rounds it anyway. About 1.7x the GEMM
     speed where the CPU has bf16 instructions (:func:`native_bf16`); the model's outputs move by about
-    1e-3 relative (docs/benchmarks.md, "bf16 GEMMs")."""
+    1e-3 relative (docs/benchmarks.md, "bf16 GEMMs").
+
+    A bf16 GEMM whose inputs are longer than :data:`BF16_K_BLOCK` runs as GEMMs over K-blocks of that
+    length, their bf16 outputs summed in fp32 in a fixed order: with AMX, oneDNN blocks a longer K by the
+    number of rows, so a row's bits depended on what else was in the batch; over one block they do not."""
 
     bf16 = False  # per instance: set_dense_dtype
 
@@ -117,27 +126,51 @@ class Linear(nn.Linear):
         key = (self.weight._version, self.weight.data_ptr(),
                None if self.bias is None else (self.bias._version, self.bias.data_ptr()))
         if getattr(self, "_bf16_key", None) != key:
-            self._bf16 = (self.weight.detach().bfloat16(), None if self.bias is None else self.bias.detach().bfloat16())
+            weight = self.weight.detach().bfloat16()
+            if self.in_features > BF16_K_BLOCK:  # one contiguous weight block per K-block
+                weight = [w.contiguous() for w in weight.split(BF16_K_BLOCK, dim=1)]
+            self._bf16 = (weight, None if self.bias is None else self.bias.detach().bfloat16())
             self._bf16_key = key
         return x.bfloat16(), *self._bf16
 
+    def _blocked(self, x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None,
+                 start: torch.Tensor | None = None) -> torch.Tensor:
+        """``start`` (fp32, or nothing) + the bf16 GEMM of each K-block, summed in fp32 block by block."""
+        out = None
+        for j, (xj, wj) in enumerate(zip(x.split(BF16_K_BLOCK, dim=-1), weights)):
+            part = ONEDNN_LINEAR(xj, wj, bias if j == 0 else None, "none", [], "")
+            if out is None:
+                out = part.float() if start is None else start + part  # a new tensor: ``start`` is left as it was
+            else:
+                out.add_(part)
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fast(x):
-            return ONEDNN_LINEAR(*self._operands(x), "none", [], "").float()
+            x, weight, bias = self._operands(x)
+            if isinstance(weight, list):
+                return self._blocked(x, weight, bias)
+            return ONEDNN_LINEAR(x, weight, bias, "none", [], "").float()
         return F.linear(x, self.weight, self.bias)
 
     def activated(self, x: torch.Tensor, name: str, act) -> torch.Tensor:
         """``act(self(x))``, where ``act`` is the activation ``hidden_act`` = ``name`` names (bf16 in bf16 mode)."""
         if name in FUSED_ACTIVATIONS and self._fast(x):
+            x, weight, bias = self._operands(x)
+            if isinstance(weight, list):
+                return act(self._blocked(x, weight, bias)).bfloat16()
             attr, algorithm = FUSED_ACTIVATIONS[name]
-            return ONEDNN_LINEAR(*self._operands(x), attr, [], algorithm)
+            return ONEDNN_LINEAR(x, weight, bias, attr, [], algorithm)
         return act(self(x))
 
     def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``self(x) + other`` (``other`` shaped like the output; fp32 out)."""
         if self._fast(x) and other.shape == (*x.shape[:-1], self.out_features) and other.dtype == torch.float32:
             if self.bf16:  # the residual stream stays fp32: only the GEMM's output is rounded
-                return self(x).add_(other)
+                x, weight, bias = self._operands(x)
+                if isinstance(weight, list):
+                    return self._blocked(x, weight, bias, start=other)
+                return ONEDNN_LINEAR(x, weight, bias, "none", [], "").float().add_(other)
             return ONEDNN_LINEAR.binary(x, other, self.weight, self.bias, "add")
         return F.linear(x, self.weight, self.bias) + other
 

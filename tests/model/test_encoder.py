@@ -217,6 +217,40 @@ def test_linear_in_bf16_multiplies_rounded_operands_and_keeps_rows_independent()
         encoder.set_dense_dtype(lin, "fp16")
 
 
+@pytest.mark.parametrize("k", [768, 1536])
+def test_linear_in_bf16_over_a_long_k_gives_a_row_the_same_bits_at_any_row_count(k):
+    """K above BF16_K_BLOCK (the FFN's output layer: 1536): one GEMM per K-block, summed in fp32, so that a
+    row's bits do not depend on how many rows share the call (one GEMM over K 1536 with AMX gave a few rows
+    in every hundred another bf16 rounding from 33 rows up); forward, plus and activated; near the one
+    rounding of the whole product."""
+    from yoso_serve.model import encoder
+
+    if encoder.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
+    assert k > encoder.BF16_K_BLOCK
+    torch.manual_seed(0)
+    lin = encoder.Linear(k, 96)
+    encoder.set_dense_dtype(lin, "bf16")
+    rows = 420
+    x, other = torch.randn(rows, k), torch.randn(rows, 96) * 10
+    gelu = torch.nn.functional.gelu
+    with torch.no_grad():
+        alone = [torch.cat([f(x[r:r + 1], o[r:r + 1]) for r in range(rows)]) for f, o in (
+            (lambda a, b: lin(a), other), (lin.plus, other), (lambda a, b: lin.activated(a, "gelu", gelu), other))]
+        for m in [*range(2, 72), 96, 131, 192, 209, 257, 384, rows]:
+            assert torch.equal(lin(x[:m]), alone[0][:m]), m
+            assert torch.equal(lin.plus(x[:m], other[:m]), alone[1][:m]), m
+            assert torch.equal(lin.activated(x[:m], "gelu", gelu), alone[2][:m]), m
+        assert alone[2].dtype == torch.bfloat16
+        ref = torch.nn.functional.linear(_bf16(x), _bf16(lin.weight), _bf16(lin.bias))
+        for got, want in ((alone[0], ref), (alone[1], ref + other)):  # only the K-blocks' bf16 roundings apart
+            assert float((got - want).norm() / want.norm()) < 2 ** -9
+            assert float((got - want).abs().max()) < 4 * 2 ** -8 * float(ref.abs().max())
+        before = other.clone()
+        lin.plus(x, other)
+        assert torch.equal(other, before)  # the residual it adds to is left as it was
+
+
 def test_native_bf16_reads_the_cpu_flags(monkeypatch, tmp_path):
     from yoso_serve.model import encoder
 

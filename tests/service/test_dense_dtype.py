@@ -50,6 +50,29 @@ def test_bf16_server_serves_the_bf16_model_and_stays_near_fp32(tiny_dir, serve):
         assert np.array_equal(np.array(r.json()[0]), served[[SHORT, LONG].index(text)])
 
 
+@needs_bf16
+def test_bf16_default_model_gives_a_text_the_same_bits_in_a_batch_of_any_size(default_dir, serve):
+    """The bundled model's FFN output layer multiplies over K 1536, where AMX's bf16 GEMM rounds a row by how
+    many rows share the call: a batch of 2, 8 or 24 texts (up to 300 rows) must still give each text what it
+    gets alone, sampled and exact."""
+    texts = [SHORT, LONG, "stock prices fell sharply today", "a cat sleeps on the sofa"]
+
+    async def main():
+        async with serve(default_dir, dense_dtype="bf16") as c:
+            out = {}
+            for hashes in (32, 0):
+                alone = [(await c.post("/embed", json={"inputs": t, "hashes": hashes})).json()[0] for t in texts]
+                batches = [(await c.post("/embed", json={"inputs": inputs, "hashes": hashes})).json()
+                           for inputs in (texts[:2], texts * 2, texts * 6)]
+                out[hashes] = alone, batches
+            return out
+
+    for alone, batches in asyncio.run(main()).values():
+        for batch in batches:
+            for i, row in enumerate(batch):
+                assert np.array_equal(np.array(row), np.array(alone[i % len(texts)]))
+
+
 def test_fp32_server_says_so(tiny_dir, serve):
     async def main():
         async with serve(tiny_dir, chunk_overlap=16, dense_dtype="fp32") as c:
