@@ -133,44 +133,40 @@ class Linear(nn.Linear):
             self._bf16_key = key
         return x.bfloat16(), *self._bf16
 
-    def _blocked(self, x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None,
-                 start: torch.Tensor | None = None) -> torch.Tensor:
-        """``start`` (fp32, or nothing) + the bf16 GEMM of each K-block, summed in fp32 block by block."""
-        out = None
-        for j, (xj, wj) in enumerate(zip(x.split(BF16_K_BLOCK, dim=-1), weights)):
-            part = ONEDNN_LINEAR(xj, wj, bias if j == 0 else None, "none", [], "")
-            if out is None:
-                out = part.float() if start is None else start + part  # a new tensor: ``start`` is left as it was
-            else:
-                out.add_(part)
+    def _gemm(self, x: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
+        """``self(x)`` on oneDNN, fp32 out, plus ``start`` (fp32) if given: one GEMM, or in bf16 over a K longer
+        than BF16_K_BLOCK one GEMM per K-block, their bf16 outputs summed in fp32 in order after ``start``."""
+        x, weight, bias = self._operands(x)
+        if not isinstance(weight, list):
+            out = ONEDNN_LINEAR(x, weight, bias, "none", [], "").float()
+            return out if start is None else out.add_(start)
+        parts = (ONEDNN_LINEAR(xj, wj, bias if j == 0 else None, "none", [], "")
+                 for j, (xj, wj) in enumerate(zip(x.split(BF16_K_BLOCK, dim=-1), weight)))
+        first = next(parts)
+        out = first.float() if start is None else start + first  # a new tensor: ``start`` is left as it was
+        for part in parts:
+            out.add_(part)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fast(x):
-            x, weight, bias = self._operands(x)
-            if isinstance(weight, list):
-                return self._blocked(x, weight, bias)
-            return ONEDNN_LINEAR(x, weight, bias, "none", [], "").float()
+            return self._gemm(x)
         return F.linear(x, self.weight, self.bias)
 
     def activated(self, x: torch.Tensor, name: str, act) -> torch.Tensor:
         """``act(self(x))``, where ``act`` is the activation ``hidden_act`` = ``name`` names (bf16 in bf16 mode)."""
         if name in FUSED_ACTIVATIONS and self._fast(x):
-            x, weight, bias = self._operands(x)
-            if isinstance(weight, list):
-                return act(self._blocked(x, weight, bias)).bfloat16()
+            if self.bf16 and self.in_features > BF16_K_BLOCK:  # K-blocked: the sum first, then the activation
+                return act(self._gemm(x)).bfloat16()
             attr, algorithm = FUSED_ACTIVATIONS[name]
-            return ONEDNN_LINEAR(x, weight, bias, attr, [], algorithm)
+            return ONEDNN_LINEAR(*self._operands(x), attr, [], algorithm)
         return act(self(x))
 
     def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``self(x) + other`` (``other`` shaped like the output; fp32 out)."""
         if self._fast(x) and other.shape == (*x.shape[:-1], self.out_features) and other.dtype == torch.float32:
             if self.bf16:  # the residual stream stays fp32: only the GEMM's output is rounded
-                x, weight, bias = self._operands(x)
-                if isinstance(weight, list):
-                    return self._blocked(x, weight, bias, start=other)
-                return ONEDNN_LINEAR(x, weight, bias, "none", [], "").float().add_(other)
+                return self._gemm(x, start=other)
             return ONEDNN_LINEAR.binary(x, other, self.weight, self.bias, "add")
         return F.linear(x, self.weight, self.bias) + other
 

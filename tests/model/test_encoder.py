@@ -235,15 +235,15 @@ def test_linear_in_bf16_over_a_long_k_gives_a_row_the_same_bits_at_any_row_count
     x, other = torch.randn(rows, k), torch.randn(rows, 96) * 10
     gelu = torch.nn.functional.gelu
     with torch.no_grad():
-        alone = [torch.cat([f(x[r:r + 1], o[r:r + 1]) for r in range(rows)]) for f, o in (
-            (lambda a, b: lin(a), other), (lin.plus, other), (lambda a, b: lin.activated(a, "gelu", gelu), other))]
+        ops = {"forward": lambda a, o: lin(a), "plus": lin.plus,
+               "activated": lambda a, o: lin.activated(a, "gelu", gelu)}
+        alone = {name: torch.cat([op(x[r:r + 1], other[r:r + 1]) for r in range(rows)]) for name, op in ops.items()}
         for m in [*range(2, 72), 96, 131, 192, 209, 257, 384, rows]:
-            assert torch.equal(lin(x[:m]), alone[0][:m]), m
-            assert torch.equal(lin.plus(x[:m], other[:m]), alone[1][:m]), m
-            assert torch.equal(lin.activated(x[:m], "gelu", gelu), alone[2][:m]), m
-        assert alone[2].dtype == torch.bfloat16
+            for name, op in ops.items():
+                assert torch.equal(op(x[:m], other[:m]), alone[name][:m]), (name, m)
+        assert alone["activated"].dtype == torch.bfloat16
         ref = torch.nn.functional.linear(_bf16(x), _bf16(lin.weight), _bf16(lin.bias))
-        for got, want in ((alone[0], ref), (alone[1], ref + other)):  # only the K-blocks' bf16 roundings apart
+        for got, want in ((alone["forward"], ref), (alone["plus"], ref + other)):  # only the K-blocks' roundings apart
             assert float((got - want).norm() / want.norm()) < 2 ** -9
             assert float((got - want).abs().max()) < 4 * 2 ** -8 * float(ref.abs().max())
         before = other.clone()
