@@ -73,9 +73,11 @@ def resolve_hashes(config, hashes: Hashes | None = None, *, source: Source = "ca
 
 
 def auto_crossover(exact_below: int, runtime: str) -> int:
-    """The crossover "auto" uses on ``runtime``: the measured one on torch. Elsewhere none (auto runs
-    the served count): an ONNX graph fixes its count, and the crossover was measured on torch's kernels."""
-    return exact_below if runtime == "torch" else 0
+    """The crossover "auto" uses on ``runtime``: the same on every runtime that can run exact (torch, and
+    hybrid, which routes exact inputs to torch), so a text's resolved count never depends on who serves
+    it. ``onnx`` runs only its exported count: the service refuses at start an ``auto`` whose crossover it
+    would have to ignore (service/settings.py), so there the crossover is 0 whenever auto is served."""
+    return 0 if runtime == "onnx" else exact_below
 
 
 def hashes_header(counts: list[int], owners: list[int] | None = None) -> str:

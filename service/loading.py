@@ -95,9 +95,10 @@ class LoadedModel:
     export: Path | None = None
 
 
-def check_onnx_serving(path: str | Path | None, hashes: int | str | None = None) -> None:
+def check_onnx_serving(path: str | Path | None, hashes: int | str | None = None, exact_below: int = 0) -> None:
     """What ``--runtime onnx`` needs at start: an exported ``path``, onnxruntime, and ``hashes``
-    (if a count, not "auto") equal to the exported count. Raises ValueError saying how to fix each."""
+    (if a count, not "auto") equal to the exported count; under "auto" no exact crossover (``exact_below``),
+    since the graph cannot run exact. Raises ValueError saying how to fix each."""
     from yoso_serve.model.onnx_runtime import import_onnxruntime, is_onnx_dir
 
     if path is None:
@@ -113,6 +114,12 @@ def check_onnx_serving(path: str | Path | None, hashes: int | str | None = None)
     exported = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))["onnx"]["hashes"]
     if hashes is not None and hashes != AUTO:
         resolve_hashes(None, hashes, source="setting", fixed=exported)
+    elif exact_below > 0:
+        raise ValueError(f"--runtime onnx with --hashes auto: auto runs inputs under --auto-exact-below "
+                         f"{exact_below} tokens exact (YOSO-E), which this export (fixed at {exported} hashes) "
+                         f"cannot, so short texts would get other vectors than on torch or hybrid; use "
+                         f"--runtime hybrid (exact inputs on torch), or serve every input at {exported} hashes "
+                         f"with --hashes {exported} or --auto-exact-below 0")
 
 
 def check_hybrid_serving(hashes: int | str | None = None) -> None:

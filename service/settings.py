@@ -137,7 +137,7 @@ class ServeSettings(BaseSettings):
             if (why := flex.unavailable("cuda")) is not None:
                 raise ValueError(f"--exact-kernel flex cannot run here: {why}; use --exact-kernel op")
         if self.runtime == "onnx":
-            check_onnx_serving(self.model, self.hashes)
+            check_onnx_serving(self.model, self.hashes, self.auto_exact_below)
         if self.runtime == "hybrid":
             check_hybrid_serving(self.hashes)
         resolve_hashes(None, self.hashes, source="setting", max_hashes=self.max_hashes)

@@ -206,7 +206,12 @@ def test_the_cli_exits_1_when_the_hybrid_export_cannot_be_prepared(torch_dir, tm
 
 
 def test_onnx_still_needs_an_export(torch_dir, lsh_dir):
-    assert ServeSettings(model=lsh_dir, runtime="onnx").runtime == "onnx"
+    assert ServeSettings(model=lsh_dir, runtime="onnx", auto_exact_below=0).runtime == "onnx"
+    assert ServeSettings(model=lsh_dir, runtime="onnx", hashes=16).runtime == "onnx"
+    # auto's exact crossover cannot be honoured by a graph fixed at 16 hashes: refused at start, not ignored
+    with pytest.raises(ValidationError, match="--runtime onnx with --hashes auto: auto runs inputs under "
+                                              "--auto-exact-below 288 tokens exact"):
+        ServeSettings(model=lsh_dir, runtime="onnx")
     with pytest.raises(ValidationError, match="serve it with --runtime torch or hybrid"):
         ServeSettings(model=torch_dir, runtime="onnx")
 
@@ -217,19 +222,20 @@ def _session(model_dir, serve, **settings):
             return {"info": await c.get("/info"), "metrics": await c.get("/metrics"),
                     "default": await c.post("/embed", json={"inputs": TEXTS}),
                     "exact": await c.post("/embed", json={"inputs": TEXTS, "hashes": 0}),
-                    "eight": await c.post("/embed", json={"inputs": TEXTS, "hashes": 8})}
+                    "eight": await c.post("/embed", json={"inputs": TEXTS, "hashes": 8}),
+                    "sixteen": await c.post("/embed", json={"inputs": TEXTS, "hashes": 16})}
 
     return asyncio.run(main())
 
 
 def test_the_app_serves_hybrid_and_says_so(torch_dir, cache, serve):
-    # a crossover above every text: on hybrid, auto still serves the exported count (model/hashes.py)
+    # a crossover above every text: on hybrid as on torch, auto runs them exact (on torch; model/hashes.py)
     # and bf16 dense layers asked for (auto where this CPU has none): the torch half stays fp32, as the graph is
     bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     out = _session(torch_dir, serve, runtime="hybrid", auto_exact_below=10_000, dense_dtype="bf16" if bf16 else "auto")
     info = out["info"].json()
     assert info["runtime"] == "hybrid" and info["runtime_reason"].startswith("--runtime hybrid")
-    assert info["hashes"] == "auto" and info["auto_exact_below"] == 0  # the crossover is torch's
+    assert info["hashes"] == "auto" and info["auto_exact_below"] == 10_000  # the crossover is the deployment's
     backend = info["backend"]
     assert backend["backend"] == "onnxruntime+torch" and backend["onnx_hashes"] == info["default_hashes"] == 16
     assert backend["onnxruntime"]["providers"] == ["CPUExecutionProvider"]
@@ -238,7 +244,7 @@ def test_the_app_serves_hybrid_and_says_so(torch_dir, cache, serve):
     metrics = out["metrics"].text
     assert 'runtime="hybrid"' in metrics and 'backend="onnxruntime+torch"' in metrics
     # every hash count is still served: 16 by ONNX Runtime, the others by torch
-    for name, hashes in (("default", "16"), ("exact", "0"), ("eight", "8")):
+    for name, hashes in (("default", "0"), ("exact", "0"), ("eight", "8"), ("sixteen", "16")):
         assert out[name].status_code == 200 and out[name].headers["x-hashes"] == hashes, out[name].text
 
 
