@@ -87,7 +87,7 @@ step "precompiling the kernels"
 if [[ "$flavor" == gpu ]]; then
   export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;8.6;8.9;9.0}"
 fi
-"$python" -m yoso_serve.kernels._build --precompile
+"$python" -c "import yoso_serve.kernels as k; raise SystemExit(k.precompile())"
 # The extension must load from where it was built, or the image silently serves pure PyTorch.
 YOSO_KERNEL_BACKEND=cpp "$python" - <<'PY'
 import sys

@@ -7,8 +7,11 @@ if __name__ != "yoso_serve.kernels":  # a checkout on sys.path, imported as top-
     guard = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "kernels", "_checkout.py")
     runpy.run_path(guard)["step_aside"](__name__, __file__)
 else:
-    from ._build import backend_info
+    from ._build import backend_info, int8_hashing_body, precompile
     from .hashing import hash_codes, hash_codes_ref
     from .yoso import yoso_attention, yoso_attention_ref
 
-    __all__ = ["backend_info", "hash_codes", "hash_codes_ref", "yoso_attention", "yoso_attention_ref"]
+    __all__ = [
+        "backend_info", "hash_codes", "hash_codes_ref", "int8_hashing_body", "precompile",
+        "yoso_attention", "yoso_attention_ref",
+    ]

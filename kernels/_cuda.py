@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from .hashing import _projection, check_int8_dim, padded_dim, quantize_rows, rotation_signs
+from .hashing import projection_planes, check_int8_dim, padded_dim, quantize_rows, rotation_signs
 
 MAX_ROTATE_DIM = 2048  # kYosoMaxRotateDim in csrc/yoso_cuda.h: the rotation kernel's P limit
 MAX_INT8_KERNEL_DIM = 64  # kYosoMaxInt8KernelDim in csrc/yoso_cuda.h: the int8 hash kernel's D limit
@@ -44,7 +44,7 @@ def cuda_ops(ext, gemm_codes):
             # the kernel's per-row sums and the GEMM's give the same codes
             batch, heads, length, dim = x.shape
             check_int8_dim(dim)
-            proj = _projection(seed, heads, num_hashes, hash_bits, dim, bool(fast_hash), x.device, True)
+            proj = projection_planes(seed, heads, num_hashes, hash_bits, dim, bool(fast_hash), x.device, True)
             if dim <= MAX_INT8_KERNEL_DIM:  # no (BH, N, m·τ) scores in memory, no PyTorch passes
                 rows = x.float().reshape(batch * heads, length, dim).contiguous()
                 return ext.hash_int8_cuda(rows, proj, num_hashes, hash_bits).view(batch, heads, num_hashes, length)

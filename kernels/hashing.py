@@ -178,7 +178,7 @@ def check_int8_dim(dim: int) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _projection(
+def projection_planes(
     seed: int, heads: int, num_hashes: int, hash_bits: int, dim: int, fast_hash: bool, device: torch.device,
     int8: bool = False,
 ) -> torch.Tensor:
@@ -207,7 +207,7 @@ def hash_codes(
     batch, heads, length, dim = x.shape
     if int8:
         check_int8_dim(dim)
-    proj = _projection(seed, heads, num_hashes, hash_bits, dim, bool(fast_hash), x.device, bool(int8))
+    proj = projection_planes(seed, heads, num_hashes, hash_bits, dim, bool(fast_hash), x.device, bool(int8))
     rows = quantize_rows(x.float()) if int8 else x.float()
     scores = torch.matmul(rows, proj)  # (B, H, N, m·τ)
     bits = scores.view(batch, heads, length, num_hashes, hash_bits) > 0

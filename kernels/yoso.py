@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .cumulate import lsh_cumulate, lsh_weighted_cumulate
 from .exact import EXACT_BACKWARDS, YosoExactFn, collision_probability, cpp_exact_fn
-from .hashing import MAX_HASH_BITS, _projection, check_input, check_int8_dim, hash_codes, hash_codes_ref
+from .hashing import MAX_HASH_BITS, projection_planes, check_input, check_int8_dim, hash_codes, hash_codes_ref
 
 BACKENDS = ("auto", "torch", "cpp", "cuda")
 
@@ -64,7 +64,7 @@ def _torch_codes(x, num_hashes, hash_bits, seed, fast_hash, int8=False):
 def _int8_packed(ext, seed: int, heads: int, num_hashes: int, hash_bits: int, dim: int, fast_hash: bool):
     """The int8 planes (on CPU) and their packing for the extension's hashing body, made once per projection:
     validating and packing them costs about 0.3 ms, more than the hashing of a 512-token input."""
-    proj = _projection(seed, heads, num_hashes, hash_bits, dim, fast_hash, torch.device("cpu"), True)
+    proj = projection_planes(seed, heads, num_hashes, hash_bits, dim, fast_hash, torch.device("cpu"), True)
     return proj, ext.pack_int8_planes(proj)
 
 
@@ -77,7 +77,7 @@ def _cpp_codes(ext):
             if x.device.type == "cpu":
                 proj, packed = _int8_packed(ext, seed, x.shape[1], num_hashes, hash_bits, x.shape[-1], bool(fast_hash))
                 return ext.fast_hash_codes(x.float().contiguous(), proj, num_hashes, hash_bits, True, packed)
-        proj = _projection(seed, x.shape[1], num_hashes, hash_bits, x.shape[-1], bool(fast_hash), x.device, int8)
+        proj = projection_planes(seed, x.shape[1], num_hashes, hash_bits, x.shape[-1], bool(fast_hash), x.device, int8)
         return ext.fast_hash_codes(x.float().contiguous(), proj, num_hashes, hash_bits, int8)
 
     return codes
@@ -95,7 +95,7 @@ def _cpp_fused(ext):
             check_int8_dim(q.shape[-1])
             proj, packed = _int8_packed(ext, seed, q.shape[1], num_hashes, hash_bits, q.shape[-1], bool(fast_hash))
             return ext.lsh_attention(q, k, v, proj, keep, num_hashes, hash_bits, True, packed)
-        proj = _projection(seed, q.shape[1], num_hashes, hash_bits, q.shape[-1], bool(fast_hash), q.device)
+        proj = projection_planes(seed, q.shape[1], num_hashes, hash_bits, q.shape[-1], bool(fast_hash), q.device)
         return ext.lsh_attention(q, k, v, proj, keep, num_hashes, hash_bits)
 
     return fused

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from yoso_serve.kernels import backend_info
-from yoso_serve.kernels._build import int8_hashing_body
+from yoso_serve.kernels import int8_hashing_body
 
 from .attention.yoso import exact_kernel_info
 from .config import POOLINGS, EncoderConfig

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from yoso_serve.kernels.finish import attention_finish_ref
-from yoso_serve.kernels.hashing import _projection, quantize_rows
+from yoso_serve.kernels.hashing import projection_planes, quantize_rows
 
 from .checkpoint import check_out_dir, load_pretrained
 from .encoder import YosoSelfAttention
@@ -128,7 +128,7 @@ class OnnxSelfAttention(nn.Module):
         self.hash_bits = config.hash_code_len
         if hashes:
             self.int8 = bool(config.hash_int8)
-            projection = _projection(attention.seed, attention.heads, hashes, self.hash_bits, attention.head_dim,
+            projection = projection_planes(attention.seed, attention.heads, hashes, self.hash_bits, attention.head_dim,
                                      bool(config.use_fast_hash), torch.device("cpu"), self.int8)
             self.register_buffer("projection", projection.clone())  # (H, D, m·τ): an initializer
             self.group = max(1, min(hashes, _TABLE_BUDGET // ((1 << self.hash_bits) * attention.head_dim)))

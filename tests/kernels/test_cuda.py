@@ -342,7 +342,7 @@ SANITIZED = textwrap.dedent(
     ext.hash_rotate_cuda(x, signs, 8)
     ext.hash_pack_cuda(torch.randn(6, 33, 32).cuda(), 4, 8)
     for d, m, bits in ((20, 4, 8), (64, 9, 13), (3, 3, 3)):  # the int8 kernel's three instantiations
-        planes = hashing._projection(0, 3, m, bits, d, True, torch.device("cuda"), True)
+        planes = hashing.projection_planes(0, 3, m, bits, d, True, torch.device("cuda"), True)
         ext.hash_int8_cuda(torch.randn(6, 33, d).cuda(), planes, m, bits)
     torch.cuda.synchronize()
     """

@@ -18,7 +18,7 @@ import pytest
 import torch
 from yoso_testkit import ASAN_FLAGS, HASH_GROUPS_DRIVER, build_host_driver, run_hash_groups
 
-from yoso_serve.kernels.hashing import _projection, hash_codes
+from yoso_serve.kernels.hashing import projection_planes, hash_codes
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_int8_kernel_codes_equal_hash_codes_int8_bit_for_bit(driver, case, tmp_p
     if dim > 2:
         x[-1, -1, 1, 1:3] = torch.tensor([1.0, -1.0])
     x[0, -1, 2] *= 1e-30  # a tiny row quantizes like its scaled-up self
-    planes = _projection(seed, heads, m, tau, dim, fast_hash, torch.device("cpu"), True)  # (H, D, m·τ) levels
+    planes = projection_planes(seed, heads, m, tau, dim, fast_hash, torch.device("cpu"), True)  # (H, D, m·τ) levels
     got = run_hash_groups(driver, "int8", x, planes, m, tau, instantiation(dim), tmp_path)
     want = hash_codes(x, num_hashes=m, hash_bits=tau, seed=seed, fast_hash=fast_hash, int8=True)  # (B, H, m, N)
     assert torch.equal(got, want.to(torch.int32))
