@@ -237,12 +237,19 @@ step_cmd() {  # the shell command of one step (run from $ROOT with the environme
   esac
 }
 
-if [ "$DRY" = 1 ]; then
-  total=0
+BUDGET=${GPU_RUN_BUDGET:-330}
+clamp() {  # clamp STEP ELAPSED: the step's limit within the deadline (10 s kept for its kill and the table)
+  local left=$((BUDGET - $2 - 20))
+  [ "$left" -ge 5 ] || { echo 0; return; }
+  echo $((LIMIT[$1] < left ? LIMIT[$1] : left))
+}
+if [ "$DRY" = 1 ]; then  # the worst case: every step runs to its limit and its 10 s kill grace
+  total=0 elapsed=0
   printf '%-10s %6s  %s\n' step limit command
   for s in "${STEPS[@]}"; do
-    printf '%-10s %5ss  %s\n' "$s" "${LIMIT[$s]}" "$(step_cmd "$s")"
-    total=$((total + LIMIT[$s]))
+    lim=$(clamp "$s" "$elapsed")
+    printf '%-10s %5ss  %s\n' "$s" "$lim" "$(step_cmd "$s")"
+    total=$((total + lim)) elapsed=$((elapsed + lim + (lim > 0 ? 10 : 0)))
   done
   echo "total limit: ${total} s (the device tool allows 600 s per command)"
   exit 0
@@ -254,7 +261,6 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 
 # ---- environment: the package from this tree, carried wheels, one extension cache ----
-BUDGET=${GPU_RUN_BUDGET:-330} DEADLINE=$((SECONDS + ${GPU_RUN_BUDGET:-330}))
 mkdir -p "$OUTDIR"
 : >"$SUMMARY"
 # shellcheck source=bench/gpu_env.sh
@@ -302,12 +308,11 @@ for s in "${STEPS[@]}"; do
     continue
   fi
   # the whole call's deadline clamps each step (the device lends 15 minutes for everything)
-  left=$((DEADLINE - SECONDS - 10))
-  if [ "$left" -lt 5 ]; then
+  lim=$(clamp "$s" "$SECONDS")
+  if [ "$lim" -eq 0 ]; then
     printf '%s\tskipped\t0\t%s\n' "$s" "no time left of GPU_RUN_BUDGET=$BUDGET s" >>"$SUMMARY"
     continue
   fi
-  lim=$((LIMIT[$s] < left ? LIMIT[$s] : left))
   echo "== $s (limit $lim s): $(step_cmd "$s")"
   timeout --kill-after=10 "$lim" bash -c "$(step_cmd "$s")" >"$log" 2>&1
   rc=$?
