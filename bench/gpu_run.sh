@@ -8,7 +8,7 @@
 #   bench/gpu_run.sh --link-facts      # how the built CUDA extension is linked (the build step runs it)
 #
 # The device tool copies the working tree (the 48 MB bundled model included) and allows 600 s
-# per command, so every step runs under its own limit (sum 570 s) and a step that fails or
+# per command, so every step runs under its own limit, clamped to GPU_RUN_BUDGET (330 s) for the whole call, and a step that fails or
 # runs out of time is reported, never fatal. The GPU image has torch 2.11 and no fastapi,
 # uvicorn, pydantic or opentelemetry-api (fastapi needs it), a typing-extensions too old for
 # pydantic, and no network: `--fetch-wheels` puts those (about 3 MB) in .whl/, which

@@ -13,7 +13,7 @@
 # the mixed packages). What comes back is capped at 8 files of 16 MiB: the fp16 weights (~45 MB) in
 # 15 MiB parts, the config, the metrics and the log.
 #
-# Environment: GPU_TRAIN_MINUTES (4: training time before the checkpoint), GPU_TRAIN_STEPS (2000: the
+# Environment: GPU_TRAIN_BUDGET (290 s for the whole call), GPU_TRAIN_MINUTES (what the budget leaves: training time before the checkpoint), GPU_TRAIN_STEPS (2000: the
 # schedule's length; the run stops at the minutes), GPU_TRAIN_BATCH (16 documents a step),
 # GPU_TRAIN_NEIGHBOURHOOD (3 x the batch: the consecutive documents a step's are drawn from), GPU_TRAIN_SEED
 # (21), GPU_TRAIN_ARGS (more longdoc options, appended), GPU_TRAIN_DEVICE (auto; `cpu` for the stand-in
