@@ -13,7 +13,7 @@
 # the mixed packages). What comes back is capped at 8 files of 16 MiB: the fp16 weights (~45 MB) in
 # 15 MiB parts, the config, the metrics and the log.
 #
-# Environment: GPU_TRAIN_MINUTES (4: training time before the checkpoint), GPU_TRAIN_STEPS (2000: the
+# Environment: GPU_TRAIN_BUDGET (290 s for the whole call), GPU_TRAIN_MINUTES (what the budget leaves: training time before the checkpoint), GPU_TRAIN_STEPS (2000: the
 # schedule's length; the run stops at the minutes), GPU_TRAIN_BATCH (16 documents a step),
 # GPU_TRAIN_NEIGHBOURHOOD (3 x the batch: the consecutive documents a step's are drawn from), GPU_TRAIN_SEED
 # (21), GPU_TRAIN_ARGS (more longdoc options, appended), GPU_TRAIN_DEVICE (auto; `cpu` for the stand-in
@@ -72,7 +72,13 @@ mkdir -p "$OUTDIR"
 xzcopy "$KIT/train_docs.jsonl.xz" "$WORK/train_docs.jsonl" || exit 1
 export GPU_TRAIN_DATA=$WORK/train_docs.jsonl GPU_TRAIN_OUT=$WORK/run GPU_TRAIN_DEVICE=$DEVICE
 cd "$ROOT" || exit 1
-"$PY" - <<'PY' 2>&1 | tee "$OUTDIR/train.log"
+# One deadline for the whole call (GPU_TRAIN_BUDGET, 290 s): the training gets what is left after
+# 30 s kept for the split and copy, and its minutes leave 45 s of that for the start and the save.
+left=$(( ${GPU_TRAIN_BUDGET:-290} - SECONDS - 30 ))
+[ "$left" -ge 60 ] || { echo "gpu_train.sh: only $left s left of GPU_TRAIN_BUDGET" >&2; exit 4; }
+export GPU_TRAIN_MINUTES=${GPU_TRAIN_MINUTES:-$(awk -v s="$left" 'BEGIN { printf "%.2f", (s - 45) / 60 }')}
+echo "train limit: $left s, GPU_TRAIN_MINUTES=$GPU_TRAIN_MINUTES"
+timeout --kill-after=10 "$((left - 10))" "$PY" - <<'PY' 2>&1 | tee "$OUTDIR/train.log"
 import os, sys, time
 from pathlib import Path
 from yoso_serve.model.default import bundled_model_dir

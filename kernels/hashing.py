@@ -254,3 +254,36 @@ def hash_codes_ref(
             for h in range(num_hashes):
                 codes[:, head, h] = _codes_from_bits(xh @ planes[h] > 0)
     return codes.to(device)
+
+
+def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """Zero-pad ``t`` along ``dim`` up to ``size`` (zero rows/columns add nothing to an integer sum)."""
+    extra = size - t.shape[dim]
+    if extra <= 0:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, extra]
+    return torch.nn.functional.pad(t, pad)
+
+
+def int8_codes_gemm(
+    x: torch.Tensor, *, num_hashes: int, hash_bits: int, seed: int = 0, fast_hash: bool = True
+) -> torch.Tensor:
+    """The int8 codes of :func:`hash_codes` (``int8=True``) from one int8×int8→int32 GEMM per head
+    (``torch._int_mm``: exact int32 sums) and a sign-pack, so the codes equal the CPU's bit for bit.
+
+    ``torch._int_mm`` on CUDA wants more than 16 rows and K, N multiples of 8; the rows, D and m·τ are
+    zero-padded to fit (zeros add nothing to an integer sum; padded rows are dropped).
+    """
+    check_input(x, "x")
+    check_hash_args(num_hashes, hash_bits, seed)
+    batch, heads, length, dim = x.shape
+    check_int8_dim(dim)
+    proj = _projection(seed, heads, num_hashes, hash_bits, dim, bool(fast_hash), x.device, True)
+    cols = num_hashes * hash_bits
+    rows = quantize_rows(x.float()).to(torch.int8).transpose(0, 1).reshape(heads, batch * length, dim)
+    k, n_out, m_rows = -(-dim // 8) * 8, -(-cols // 8) * 8, max(batch * length, 17)
+    planes = _pad_to(_pad_to(proj.to(torch.int8), 1, k), 2, n_out)
+    rows = _pad_to(_pad_to(rows, 2, k), 1, m_rows)
+    scores = torch.stack([torch._int_mm(rows[h], planes[h]) for h in range(heads)])  # (H, M, n_out) int32
+    scores = scores[:, : batch * length, :cols].reshape(heads, batch, length, num_hashes, hash_bits)
+    return _codes_from_bits(scores > 0).permute(1, 0, 3, 2).contiguous()  # (B, H, m, N)

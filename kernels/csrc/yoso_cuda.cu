@@ -243,6 +243,8 @@ template <typename T>
 const char* cumulate(const YosoCumulateParams& p, cudaStream_t stream) {
   const int nb = 1 << p.hash_bits;
   const Layout l = plan(p, false);
+  // the gather's float4 loads read table rows at multiples of dv floats from here
+  if (reinterpret_cast<uintptr_t>(p.workspace) % 256 != 0) return "yoso: the workspace is not 256-byte aligned";
   char* ws = static_cast<char*>(p.workspace);
   float* tables = reinterpret_cast<float*>(ws);
   int32_t* perm = reinterpret_cast<int32_t*>(ws + l.tables);

@@ -329,6 +329,8 @@ template <typename T>
 const char* weighted(const YosoCumulateParams& p, cudaStream_t stream) {
   const int nb = 1 << p.hash_bits;
   const Layout l = plan(p, true);
+  // the regions below are planned at 256-byte offsets from an aligned base (yoso_cuda.h's promise)
+  if (reinterpret_cast<uintptr_t>(p.workspace) % 256 != 0) return "yoso: the workspace is not 256-byte aligned";
   char* ws = static_cast<char*>(p.workspace);
   int32_t* q_perm = reinterpret_cast<int32_t*>(ws);
   int32_t* k_perm = reinterpret_cast<int32_t*>(ws + l.perm_q);
