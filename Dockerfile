@@ -1,22 +1,24 @@
 # syntax=docker/dockerfile:1
 # yoso-serve image. GPU (default): CUDA runtime base, the CUDA build of torch, kernels compiled
-# for sm_80/86/89/90 in a CUDA devel stage. CPU: the same steps on plain Ubuntu.
+# for sm_80/86/89/90 in a CUDA devel stage. CPU: the same steps on Debian bookworm-slim.
 #   docker build -t yoso-serve:gpu .                       docker run --gpus all -p 8080:8080 yoso-serve:gpu
 #   docker build -t yoso-serve:cpu --build-arg FLAVOR=cpu .  docker run -p 8080:8080 yoso-serve:cpu
 # The install logic lives in deploy/install.sh, which CI runs outside Docker.
 # torch 2.13's PyPI build is CUDA 13, so nvcc must be 13.x (needs NVIDIA driver >= 580).
-# Builder and runtime share one Ubuntu, so the venv's python3 has the same path in both. 24.04's
-# python3 is 3.12; 22.04's 3.10 is too old for transformers 5 (a dependency of the default model).
+# Builder and runtime share one OS per flavor, so the venv's python3 has the same path in both.
+# GPU: Ubuntu 24.04 (python3 3.12; 22.04's 3.10 is too old for transformers 5, a dependency of the
+# default model). CPU: Debian bookworm-slim (python3 3.11), the base TEI ships its CPU image on.
 ARG FLAVOR=gpu
 ARG CUDA_VERSION=13.0.0
 ARG UBUNTU_VERSION=24.04
+ARG DEBIAN_VERSION=bookworm-slim
 # Also set at run time: torch's loader compares the build flags and would otherwise try to rebuild.
 ARG TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0"
 
 FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS build-gpu
-FROM ubuntu:${UBUNTU_VERSION} AS build-cpu
+FROM debian:${DEBIAN_VERSION} AS build-cpu
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS runtime-gpu
-FROM ubuntu:${UBUNTU_VERSION} AS runtime-cpu
+FROM debian:${DEBIAN_VERSION} AS runtime-cpu
 
 # Everything the service reads is installed under /opt/yoso, the one folder the runtime copies.
 # hadolint ignore=DL3006
