@@ -186,7 +186,7 @@ def load_served_model(settings: ServeSettings) -> LoadedModel:
     if settings.runtime == "torch":
         return LoadedModel(model, "torch", "--runtime torch")
     if settings.runtime == "hybrid":
-        # auto serves the model's count from ONNX: its exact switch is torch-only (model/hashes.py)
+        # ONNX serves the model's count; auto's exact inputs route to torch (model/hybrid.py), as on torch
         served = resolve_hashes(model.config, settings.hashes, source="setting", n_tokens=model.config.max_length)
         return _load_hybrid(model, path, served, device)
     reason = AUTO_REASONS[device]

@@ -45,7 +45,8 @@ class ServeSettings(BaseSettings):
         "m = m LSH samples; 0 = exact YOSO-E for every input.")
     auto_exact_below: int = Field(AUTO_EXACT_BELOW, ge=0, description="Under hashes=auto, inputs with fewer "
                                   "tokens than this (specials included) run exact YOSO-E, which costs less "
-                                  "than LSH there (measured: docs/benchmarks.md); 0 = never. Torch runtime only.")
+                                  "than LSH there (measured: docs/benchmarks.md); 0 = never. The same on torch and hybrid; "
+                                  "--runtime onnx needs 0 (or a --hashes count).")
     max_hashes: int = Field(MAX_HASHES, ge=0, description="Largest hash count a request may ask for.")
     max_batch_tokens: int = Field(16384, ge=1, description="Token budget of one batch, counted "
                                   "padded (batch size x longest input); also the most vectors one /embed_all "
