@@ -28,6 +28,7 @@ from torch import nn
 
 from .attention import build_attention
 from .config import EncoderConfig
+from .dense_int8 import int8_linear, quantize_weight
 from .hashes import resolve_hashes
 from .reversible import ReversibleBlock, reversible_stack
 
@@ -109,6 +110,7 @@ class Linear(nn.Linear):
     number of rows, so a row's bits depended on what else was in the batch; over one block they do not."""
 
     bf16 = False  # per instance: set_dense_dtype
+    int8 = False  # per instance: set_dense_dtype (model/dense_int8.py)
 
     def _fast(self, x: torch.Tensor) -> bool:
         return (ONEDNN_LINEAR is not None and x.device.type == "cpu"
@@ -133,12 +135,17 @@ class Linear(nn.Linear):
             self._bf16_key = key
         return x.bfloat16(), *self._bf16
 
+    def _int8(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "_int8_key", None) != (key := (self.weight._version, self.weight.data_ptr())):
+            self._int8_weight, self._int8_key = quantize_weight(self.weight), key
+        return int8_linear(x.float(), *self._int8_weight, self.bias)
+
     def _gemm(self, x: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
         """``self(x)`` on oneDNN, fp32 out, plus ``start`` (fp32) if given: one GEMM, or in bf16 over a K longer
         than BF16_K_BLOCK one GEMM per K-block, their bf16 outputs summed in fp32 in order after ``start``."""
-        x, weight, bias = self._operands(x)
+        x, weight, bias = (x, None, None) if self.int8 else self._operands(x)
         if not isinstance(weight, list):
-            out = ONEDNN_LINEAR(x, weight, bias, "none", [], "").float()
+            out = self._int8(x) if self.int8 else ONEDNN_LINEAR(x, weight, bias, "none", [], "").float()
             return out if start is None else out.add_(start)
         parts = (ONEDNN_LINEAR(xj, wj, bias if j == 0 else None, "none", [], "")
                  for j, (xj, wj) in enumerate(zip(x.split(BF16_K_BLOCK, dim=-1), weight)))
@@ -155,6 +162,8 @@ class Linear(nn.Linear):
 
     def activated(self, x: torch.Tensor, name: str, act) -> torch.Tensor:
         """``act(self(x))``, where ``act`` is the activation ``hidden_act`` = ``name`` names (bf16 in bf16 mode)."""
+        if self.int8 and self._fast(x):
+            return act(self._gemm(x))
         if name in FUSED_ACTIVATIONS and self._fast(x):
             if self.bf16 and self.in_features > BF16_K_BLOCK:  # K-blocked: the sum first, then the activation
                 return act(self._gemm(x)).bfloat16()
@@ -165,22 +174,22 @@ class Linear(nn.Linear):
     def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``self(x) + other`` (``other`` shaped like the output; fp32 out)."""
         if self._fast(x) and other.shape == (*x.shape[:-1], self.out_features) and other.dtype == torch.float32:
-            if self.bf16:  # the residual stream stays fp32: only the GEMM's output is rounded
+            if self.bf16 or self.int8:  # the residual stream stays fp32: only the GEMM's output is rounded
                 return self._gemm(x, start=other)
             return ONEDNN_LINEAR.binary(x, other, self.weight, self.bias, "add")
         return F.linear(x, self.weight, self.bias) + other
 
 
-DENSE_DTYPES = ("fp32", "bf16")
+DENSE_DTYPES = ("fp32", "bf16", "int8")
 
 
 def set_dense_dtype(module: nn.Module, dtype: str) -> None:
-    """Run the CPU inference GEMMs of every :class:`Linear` in ``module`` in ``dtype`` ("fp32" or "bf16")."""
+    """Run the CPU inference GEMMs of every :class:`Linear` in ``module`` in ``dtype`` ("fp32", "bf16" or "int8")."""
     if dtype not in DENSE_DTYPES:
         raise ValueError(f"dense dtype must be one of {DENSE_DTYPES}, got {dtype!r}")
     for m in module.modules():
         if isinstance(m, Linear):
-            m.bf16 = dtype == "bf16"
+            m.bf16, m.int8 = dtype == "bf16", dtype == "int8"
 
 
 def layer_seed(hash_seed: int, layer_index: int) -> int:

@@ -65,11 +65,12 @@ class EncoderModel(nn.Module):
     def backend_info(self) -> dict:
         """Which attention kernels run (C++/CUDA or pure PyTorch) and why, how LSH codes are computed
         (``hashing``: "fp32", or "int8" with the C++ body that runs it) and the dense layers' CPU GEMMs
-        (``dense``: "fp32" or "bf16", see ``set_dense_dtype``) and exact mode's kernel (``exact_kernel``: "op"
+        (``dense``: "fp32", "bf16" or "int8", see ``set_dense_dtype``) and exact mode's kernel (``exact_kernel``: "op"
         or "flex", see ``set_exact_kernel``): what /info shows."""
         info = backend_info()
         info["hashing"] = "int8" if self.config.hash_int8 else "fp32"
-        info["dense"] = "bf16" if any(getattr(m, "bf16", False) for m in self.modules()) else "fp32"
+        info["dense"] = next((d for d in ("bf16", "int8") if any(getattr(m, d, False) for m in self.modules())),
+                             "fp32")
         info.update(exact_kernel_info(self))
         info["dtype"] = str(next(self.parameters()).dtype).removeprefix("torch.")
         if self.config.hash_int8:

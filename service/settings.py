@@ -82,12 +82,13 @@ class ServeSettings(BaseSettings):
         "(exported into YOSO_CACHE_DIR at the first start) and torch for other counts, needs the onnx "
         "extra; onnx = ONNX Runtime only, --model must be a directory written by `yoso-train export-onnx` "
         "(docs/onnx.md).")
-    dense_dtype: Literal["auto", "fp32", "bf16"] = Field(
+    dense_dtype: Literal["auto", "fp32", "bf16", "int8"] = Field(
         "auto", description="Precision of the dense layers' matrix products on CPU (torch runtime; the attention "
         "kernels and the residual stream stay fp32). bf16 = bf16 inputs and weights, fp32 sums: about 1.5x the "
         "speed of a forward where the CPU has bf16 instructions (AVX512-BF16 or AMX), embeddings within about "
-        "1e-3 of fp32 and retrieval unchanged (docs/benchmarks.md, \"Dense layers\"). auto = bf16 on such a "
-        "CPU, else fp32.")
+        "1e-3 of fp32 and retrieval unchanged (docs/benchmarks.md, \"Dense layers\"). int8 = per-channel int8 "
+        "weights, activations quantized per row, int32 sums (opt-in: its recall is not measured yet). auto = bf16 "
+        "on such a CPU, else fp32.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weights and activations of the torch runtime on CUDA. auto = float16 on CUDA (what "
         "text-embeddings-inference serves there), float32 on CPU, where --dense-dtype picks the precision of the "

@@ -73,6 +73,25 @@ def test_bf16_default_model_gives_a_text_the_same_bits_in_a_batch_of_any_size(de
                 assert np.array_equal(np.array(row), np.array(alone[i % len(texts)]))
 
 
+def test_int8_default_model_gives_a_text_the_same_bits_in_a_batch_of_any_size(default_dir, serve):
+    """Int8 dense layers quantize each row on its own and sum in int32: a text's bits in a batch of 2, 8 or
+    24 texts are its bits alone, and /info says int8."""
+    texts = [SHORT, LONG, "stock prices fell sharply today", "a cat sleeps on the sofa"]
+
+    async def main():
+        async with serve(default_dir, dense_dtype="int8") as c:
+            alone = [(await c.post("/embed", json={"inputs": t})).json()[0] for t in texts]
+            batches = [(await c.post("/embed", json={"inputs": inputs})).json()
+                       for inputs in (texts[:2], texts * 2, texts * 6)]
+            return (await c.get("/info")).json(), alone, batches
+
+    info, alone, batches = asyncio.run(main())
+    assert info["backend"]["dense"] == "int8"
+    for batch in batches:
+        for i, row in enumerate(batch):
+            assert np.array_equal(np.array(row), np.array(alone[i % len(texts)]))
+
+
 def test_fp32_server_says_so(tiny_dir, serve):
     async def main():
         async with serve(tiny_dir, chunk_overlap=16, dense_dtype="fp32") as c:
