@@ -44,7 +44,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 from _sections import machine  # noqa: E402
 
 from yoso_serve.kernels import backend_info, yoso_attention
-from yoso_serve.kernels.hashing import _projection
+from yoso_serve.kernels.hashing import projection_planes
 from yoso_serve.kernels.yoso import _kernels
 from yoso_serve.kernels.cumulate import lsh_cumulate as torch_lsh_cumulate
 
@@ -92,7 +92,7 @@ def forward_fn(method: str, hash_bits: int):
         return F.scaled_dot_product_attention
     if method == "GEMM":  # YOSO-32's hash projections of q and k, nothing else: the floor
         def projections(q, k, v):
-            proj = _projection(0, q.shape[1], 32, hash_bits, q.shape[-1], True, q.device)
+            proj = projection_planes(0, q.shape[1], 32, hash_bits, q.shape[-1], True, q.device)
             return torch.matmul(q, proj), torch.matmul(k, proj)
 
         return projections

@@ -122,12 +122,12 @@ def hash_row(ext, shape: tuple, hashes: int, bits: int, repeats: int, device: st
     D = 64), int8 hashing as it ran before (rows quantized in PyTorch, cuBLAS GEMM, hash_pack_cuda), and
     the fp32 fast rotation (hash_rotate_cuda); plus whether the two int8 paths gave the same codes."""
     from yoso_serve.kernels._cuda import cuda_ops
-    from yoso_serve.kernels.hashing import _projection, quantize_rows
+    from yoso_serve.kernels.hashing import projection_planes, quantize_rows
 
     timer = timer or timed
     codes, _, _ = cuda_ops(ext, None)
     x = torch.randn(*shape, device=device, generator=torch.Generator(device=device).manual_seed(2))
-    proj = _projection(0, shape[1], hashes, bits, shape[3], True, x.device, True)
+    proj = projection_planes(0, shape[1], hashes, bits, shape[3], True, x.device, True)
 
     def gemm():
         return ext.fast_hash_codes(quantize_rows(x).contiguous(), proj, hashes, bits, False)

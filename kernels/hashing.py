@@ -278,7 +278,7 @@ def int8_codes_gemm(
     check_hash_args(num_hashes, hash_bits, seed)
     batch, heads, length, dim = x.shape
     check_int8_dim(dim)
-    proj = _projection(seed, heads, num_hashes, hash_bits, dim, bool(fast_hash), x.device, True)
+    proj = projection_planes(seed, heads, num_hashes, hash_bits, dim, bool(fast_hash), x.device, True)
     cols = num_hashes * hash_bits
     rows = quantize_rows(x.float()).to(torch.int8).transpose(0, 1).reshape(heads, batch * length, dim)
     k, n_out, m_rows = -(-dim // 8) * 8, -(-cols // 8) * 8, max(batch * length, 17)

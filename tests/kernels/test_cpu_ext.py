@@ -20,7 +20,7 @@ from yoso_testkit import close, random_codes
 
 from yoso_serve.kernels import _build, hash_codes, yoso_attention
 from yoso_serve.kernels.cumulate import lsh_cumulate, lsh_weighted_cumulate
-from yoso_serve.kernels.hashing import _projection
+from yoso_serve.kernels.hashing import projection_planes
 
 
 def collisions(q_codes, k_codes):
@@ -218,7 +218,7 @@ def test_kernels_run_without_the_gil_and_checks_raise_with_it(ext):
 def test_fast_hash_codes_match_float64_oracle_and_torch_hash(ext, fast_hash, shape, m, bits):
     """Codes from the seeded projections; only bits within rounding of a hyperplane may differ."""
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape) + bits))
-    proj = _projection(4, shape[1], m, bits, shape[-1], fast_hash, torch.device("cpu"))
+    proj = projection_planes(4, shape[1], m, bits, shape[-1], fast_hash, torch.device("cpu"))
     codes = ext.fast_hash_codes(x, proj, m, bits)
     assert codes.dtype == torch.int32 and codes.shape == (shape[0], shape[1], m, shape[2])
     scores = (x.double() @ proj.double()[None]).view(*shape[:3], m, bits)  # (B, H, N, m, τ)

@@ -23,7 +23,7 @@ import torch
 
 from yoso_serve.kernels import yoso_attention
 from yoso_serve.kernels.exact import ARCCOS_MAX_ERROR, MIN_SINE
-from yoso_serve.kernels.hashing import _projection
+from yoso_serve.kernels.hashing import projection_planes
 
 
 def masked_codes(ext, x, proj, m, bits, keep):
@@ -47,7 +47,7 @@ def test_fused_lsh_equals_codes_then_cumulate_bit_for_bit(ext, case):
     v = torch.randn(b, h, n, dv, generator=gen)
     keep = torch.ones(b, n, dtype=torch.bool)
     keep[-1, n - pad :] = False
-    proj = _projection(5, h, m, bits, d, True, torch.device("cpu"))
+    proj = projection_planes(5, h, m, bits, d, True, torch.device("cpu"))
     for mask in (None, keep):
         got = ext.lsh_attention(q, k, v, proj, mask, m, bits)
         qc, kc = (masked_codes(ext, x, proj, m, bits, mask) for x in (q, k))
@@ -65,7 +65,7 @@ def test_fused_and_exact_bit_identical_across_thread_counts(ext, bh):
     gen = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(b, h, 777, 40, generator=gen) for _ in range(3))
     keep = torch.rand(b, 777, generator=gen) > 0.1
-    proj = _projection(1, h, 16, 8, 40, True, torch.device("cpu"))
+    proj = projection_planes(1, h, 16, 8, 40, True, torch.device("cpu"))
     qh, kh = (torch.nn.functional.normalize(x, dim=-1).view(b * h, 777, 40) for x in (q, k))
     keep_f = keep.float()[:, None].expand(b, h, 777).reshape(b * h, 777).contiguous()
     grad = torch.randn(b * h, 777, 40, generator=gen)
@@ -193,12 +193,12 @@ def test_new_bindings_name_the_limit(ext):
 _PORTABLE = r"""
 import json, torch
 from yoso_serve.kernels import _build
-from yoso_serve.kernels.hashing import _projection
+from yoso_serve.kernels.hashing import projection_planes
 ext = _build.cpu_extension()
 gen = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(2, 3, 137, 48, generator=gen) for _ in range(3))
 keep = torch.ones(2, 137, dtype=torch.bool); keep[1, 100:] = False
-proj = _projection(2, 3, 7, 6, 48, True, torch.device("cpu"))
+proj = projection_planes(2, 3, 7, 6, 48, True, torch.device("cpu"))
 qh, kh = (torch.nn.functional.normalize(x, dim=-1).view(6, 137, 48) for x in (q, k))
 keep_f = keep.float()[:, None].expand(2, 3, 137).reshape(6, 137).contiguous()
 grad = torch.randn(6, 137, 48, generator=gen)
@@ -252,7 +252,7 @@ def test_fused_ops_read_head_split_views_and_write_merged_heads(ext, oracles, di
     gen = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(2, 137, 3, dim, generator=gen).transpose(1, 2) for _ in range(3))
     keep = oracles.lengths_mask([137, 90], 137)
-    proj = _projection(3, 3, 8, 6, dim, True, torch.device("cpu"))
+    proj = projection_planes(3, 3, 8, 6, dim, True, torch.device("cpu"))
     dense = [t.contiguous() for t in (q, k, v)]
     for run in (lambda *x: ext.lsh_attention(*x, proj, keep, 8, 6), lambda *x: ext.exact_attention(*x, keep, 8)):
         got = run(q, k, v)

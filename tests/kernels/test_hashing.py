@@ -85,7 +85,7 @@ def test_projections_come_only_from_the_seed(oracles, fast_hash):
     first = hash_codes(x, **args)
     torch.manual_seed(1234)  # the global RNG must play no part
     hashing._head_matrix.cache_clear()
-    hashing._projection.cache_clear()
+    hashing.projection_planes.cache_clear()
     assert torch.equal(hash_codes(x, **args), first)
     assert not torch.equal(hash_codes(x, **{**args, "seed": 10}), first)
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from yoso_serve.kernels import yoso_attention, yoso_attention_ref
-from yoso_serve.kernels.hashing import (MAX_INT8_DIM, _projection, hash_codes, hash_codes_ref, int8_planes,
+from yoso_serve.kernels.hashing import (MAX_INT8_DIM, projection_planes, hash_codes, hash_codes_ref, int8_planes,
                                         quantize_rows)
 from yoso_serve.kernels.yoso import _kernels
 
@@ -76,7 +76,7 @@ def test_cpp_torch_and_reference_codes_agree_bit_for_bit(ext, case):
     d, bits, m, n, fast = case
     x = awkward_rows(2, 3, n, d, seed=d + bits)
     args = dict(num_hashes=m, hash_bits=bits, seed=4, fast_hash=fast, int8=True)
-    proj = _projection(4, 3, m, bits, d, fast, CPU, True)
+    proj = projection_planes(4, 3, m, bits, d, fast, CPU, True)
     assert proj.abs().max() == 127 and torch.equal(proj, proj.round())
     cpp = ext.fast_hash_codes(x, proj, m, bits, True)
     assert torch.equal(cpp, hash_codes(x, **args))
@@ -118,7 +118,7 @@ def test_fused_int8_equals_its_codes_cumulated_for_any_threads_and_views(ext, di
     q, k, v = (torch.randn(2, 137, 3, dim, generator=gen).transpose(1, 2) for _ in range(3))  # head-split views
     keep = torch.ones(2, 137, dtype=torch.bool)
     keep[1, 100:] = False
-    proj = _projection(3, 3, 16, 8, dim, False, CPU, True)
+    proj = projection_planes(3, 3, 16, 8, dim, False, CPU, True)
     codes = [ext.fast_hash_codes(x.contiguous(), proj, 16, 8, True).masked_fill(~keep[:, None, None, :], -1)
              .view(6, 16, 137) for x in (q, k)]
     expected = ext.lsh_cumulate(*codes, v.contiguous().view(6, 137, dim), 8).view(2, 3, 137, dim)
@@ -152,7 +152,7 @@ def test_planes_packed_once_give_the_same_bits_as_packed_per_call(ext):
     validation and packing (about 0.3 ms, more than hashing a 512-token input)."""
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 3, 70, 48, generator=gen) for _ in range(3))
-    proj = _projection(1, 3, 7, 6, 48, False, CPU, True)  # 42 columns: three 16-column groups, the last partial
+    proj = projection_planes(1, 3, 7, 6, 48, False, CPU, True)  # 42 columns: three 16-column groups, the last partial
     packed = ext.pack_int8_planes(proj)
     if ext.int8_level() == "avx512-vnni":
         assert packed[0].dtype == torch.int8 and packed[0].numel() == 3 * 48 * 48  # heads × 48 columns × D
@@ -187,14 +187,14 @@ def test_bad_int8_input_names_the_limit(ext):
 _BODIES = r"""
 import sys, torch
 from yoso_serve.kernels import _build
-from yoso_serve.kernels.hashing import _projection
+from yoso_serve.kernels.hashing import projection_planes
 ext = _build.cpu_extension()
 gen = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(2, 3, 137, 48, generator=gen) for _ in range(3))
 q[0, 0, 0] = 0; q[1, 1, 5] = torch.arange(48.) % 4 - 1.5
 keep = torch.ones(2, 137, dtype=torch.bool); keep[1, 100:] = False
-proj = _projection(2, 3, 7, 6, 48, False, torch.device("cpu"), True)
-odd = _projection(2, 3, 5, 3, 48, True, torch.device("cpu"), True)  # 15 columns
+proj = projection_planes(2, 3, 7, 6, 48, False, torch.device("cpu"), True)
+odd = projection_planes(2, 3, 5, 3, 48, True, torch.device("cpu"), True)  # 15 columns
 torch.save({"level": ext.int8_level(), "codes": ext.fast_hash_codes(q, proj, 7, 6, True),
             "odd": ext.fast_hash_codes(k, odd, 5, 3, True),
             "fused": ext.lsh_attention(q, k, v, proj, keep, 7, 6, True),

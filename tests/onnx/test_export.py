@@ -12,7 +12,7 @@ import torch
 from onnx import numpy_helper
 
 from yoso_serve.kernels import hash_codes
-from yoso_serve.kernels.hashing import _projection
+from yoso_serve.kernels.hashing import projection_planes
 from yoso_serve.kernels.yoso import YosoExactFn, lsh_cumulate
 from yoso_serve.model import EncoderConfig, TextTokenizer
 from yoso_serve.model.encoder import layer_seed
@@ -53,7 +53,7 @@ def test_graph_uses_standard_ops_and_stores_the_seeded_projections(lsh_dir, tiny
     inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
     cfg = tiny_model.config
     for layer in range(cfg.num_hidden_layers):
-        expected = _projection(layer_seed(cfg.hash_seed, layer), cfg.num_attention_heads, 16, cfg.hash_code_len,
+        expected = projection_planes(layer_seed(cfg.hash_seed, layer), cfg.num_attention_heads, 16, cfg.hash_code_len,
                                cfg.head_dim, True, torch.device("cpu"))
         assert torch.equal(torch.tensor(inits[f"attention.{layer}.projection"]), expected)
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in graph.input}
@@ -63,12 +63,12 @@ def test_graph_uses_standard_ops_and_stores_the_seeded_projections(lsh_dir, tiny
 def test_hash_codes_equal_the_kernel_codes():
     x = torch.nn.functional.normalize(torch.randn(2, 3, 137, 48, generator=torch.Generator().manual_seed(0)), dim=-1)
     for fast in (True, False):
-        projection = _projection(5, 3, 7, 9, 48, fast, torch.device("cpu"))
+        projection = projection_planes(5, 3, 7, 9, 48, fast, torch.device("cpu"))
         expected = hash_codes(x, num_hashes=7, hash_bits=9, seed=5, fast_hash=fast)  # (B, H, m, N)
         assert torch.equal(hash_codes_onnx(x, projection, 9), expected.permute(0, 1, 3, 2).long())
         # int8: the graph quantizes the raw rows as the kernels do (the int8 planes are the initializer)
         raw = x * torch.rand(2, 3, 137, 1, generator=torch.Generator().manual_seed(1)) * 5
-        planes = _projection(5, 3, 7, 9, 48, fast, torch.device("cpu"), True)
+        planes = projection_planes(5, 3, 7, 9, 48, fast, torch.device("cpu"), True)
         expected = hash_codes(raw, num_hashes=7, hash_bits=9, seed=5, fast_hash=fast, int8=True)
         assert torch.equal(hash_codes_onnx(raw, planes, 9, int8=True), expected.permute(0, 1, 3, 2).long())
 
