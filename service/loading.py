@@ -1,5 +1,6 @@
-"""Which runtime serves the model: ``--runtime`` made concrete for the device, what each runtime needs at
-start, and the model loaded for it behind :class:`ServedModel`, the one interface the engine uses.
+"""Which runtime serves the model: ``--runtime`` made concrete for the device, and the model loaded for it
+behind :class:`yoso_serve.model.served.ServedModel`, the one interface the engine uses (what each runtime
+needs at start is checked by service/runtimes.py).
 
 ``auto`` (the default) picks the faster runtime per device, which is torch on both:
 
@@ -17,22 +18,15 @@ exact served count or an export that cannot be prepared fails the load, and with
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
-from yoso_serve.model.hashes import AUTO, resolve_hashes
+from yoso_serve.model.hashes import resolve_hashes
+from yoso_serve.model.served import ServedModel
 
 if TYPE_CHECKING:  # annotations only: settings validation imports this module without torch
-    import torch
-
-    from yoso_serve.model.config import EncoderConfig
-    from yoso_serve.model.tokenizer import TextTokenizer
-
     from .settings import ServeSettings
 
 log = logging.getLogger("yoso_serve.service")
@@ -45,45 +39,6 @@ AUTO_REASONS = {
 }
 
 
-@runtime_checkable
-class ServedModel(Protocol):
-    """What the engine serves: ``EncoderModel`` (torch), ``OnnxEncoderModel`` and ``HybridEncoderModel``.
-
-    Tensors in and out: input_ids (B, N) int64 and attention_mask (B, N) 0/1; ``hashes`` None means the
-    model's default count. A runtime that cannot run a count raises ValueError naming it.
-    """
-
-    config: EncoderConfig
-    tokenizer: TextTokenizer | None
-    runtime: str  # "torch", "hybrid" or "onnx"
-    fixed_hashes: int | None  # the one count an exported graph runs; None: any count
-
-    @property
-    def has_classifier(self) -> bool: ...
-
-    @property
-    def id2label(self) -> dict[int, str]: ...
-
-    def backend_info(self) -> dict:
-        """What /info shows as the backend (the kernels, or onnxruntime and its providers)."""
-
-    def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> ServedModel: ...
-
-    def eval(self) -> ServedModel: ...
-
-    def last_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                    hashes: int | None = None) -> torch.Tensor:
-        """(B, N, hidden)."""
-
-    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-              hashes: int | None = None, pooling: str | None = None) -> torch.Tensor:
-        """Pooled, not normalised (B, hidden)."""
-
-    def classify(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 hashes: int | None = None) -> torch.Tensor:
-        """Logits (B, num_labels)."""
-
-
 @dataclass(frozen=True)
 class LoadedModel:
     """A model ready for the engine, the runtime serving it, why that runtime, and the ONNX export it
@@ -93,53 +48,6 @@ class LoadedModel:
     runtime: str  # "torch", "hybrid" or "onnx"
     reason: str
     export: Path | None = None
-
-
-def check_onnx_serving(path: str | Path | None, hashes: int | str | None = None, exact_below: int = 0) -> None:
-    """What ``--runtime onnx`` needs at start: an exported ``path``, onnxruntime, and ``hashes``
-    (if a count, not "auto") equal to the exported count; under "auto" no exact crossover (``exact_below``),
-    since the graph cannot run exact. Raises ValueError saying how to fix each."""
-    from yoso_serve.model.onnx_runtime import import_onnxruntime, is_onnx_dir
-
-    if path is None:
-        raise ValueError("--runtime onnx needs --model pointing at a directory written by "
-                         "`yoso-train export-onnx` (docs/onnx.md); the bundled default model is a torch "
-                         "checkpoint: to serve it, use --runtime torch (what auto picks) or --runtime hybrid "
-                         "(ONNX Runtime from an export cached at the first start)")
-    if not is_onnx_dir(path):
-        raise ValueError(f"--model {path} is not an ONNX export (no 'onnx' section in its config.json); "
-                         f"serve it with --runtime torch or hybrid (exported into the cache once), or run "
-                         f"`yoso-train export-onnx --model {path} --out DIR` and serve DIR")
-    import_onnxruntime()
-    exported = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))["onnx"]["hashes"]
-    if hashes is not None and hashes != AUTO:
-        resolve_hashes(None, hashes, source="setting", fixed=exported)
-    elif exact_below > 0:
-        raise ValueError(f"--runtime onnx with --hashes auto: auto runs inputs under --auto-exact-below "
-                         f"{exact_below} tokens exact (YOSO-E), which this export (fixed at {exported} hashes) "
-                         f"cannot, so short texts would get other vectors than on torch or hybrid; use "
-                         f"--runtime hybrid (exact inputs on torch), or serve every input at {exported} hashes "
-                         f"with --hashes {exported} or --auto-exact-below 0")
-
-
-def check_hybrid_serving(hashes: int | str | None = None) -> None:
-    """What ``--runtime hybrid`` needs at start: onnxruntime and onnx (the exporter writes with it)
-    importable, and a served count (``hashes``, if given) other than exact 0. Raises ValueError
-    saying how to fix each."""
-    try:
-        importlib.import_module("onnxruntime")
-    except ImportError:
-        missing = ["onnxruntime"]
-    else:
-        missing = []
-    if importlib.util.find_spec("onnx") is None:
-        missing.append("onnx")
-    if missing:
-        raise ValueError(f"--runtime hybrid needs {' and '.join(missing)}: pip install 'yoso-serve[onnx]' "
-                         "('yoso-serve[onnx-gpu]' on CUDA), or use --runtime torch (the default, auto, serves torch)")
-    if hashes == 0:
-        raise ValueError("--runtime hybrid with --hashes 0: the exact (YOSO-E) ONNX graph is not chunked "
-                         "(O(N²) memory) and is not served; use --runtime torch, or set --hashes to an LSH count")
 
 
 def check_model_limits(settings: ServeSettings, model: ServedModel) -> tuple[int, int]:

@@ -16,6 +16,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from yoso_serve.model.hashes import AUTO, AUTO_EXACT_BELOW, MAX_HASHES, resolve_hashes
 
+from .runtimes import check_hybrid_serving, check_onnx_serving
+
 # Defaults of --max-padding-tokens (see ServeSettings.padding_limit).
 CPU_PADDING_TOKENS = 64
 CUDA_PADDING_TOKENS = 2048
@@ -119,8 +121,6 @@ class ServeSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_start(self) -> "ServeSettings":
-        from .loading import check_hybrid_serving, check_onnx_serving  # loading.py reads these settings
-
         if self.dtype in ("float16", "bfloat16"):
             if self.runtime not in ("auto", "torch"):
                 raise ValueError(f"--dtype {self.dtype} is for the torch runtime; --runtime {self.runtime} runs "

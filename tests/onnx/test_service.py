@@ -12,7 +12,8 @@ from yoso_serve.model import save_pretrained
 from yoso_serve.service import ServeSettings
 from yoso_serve.model.hybrid import HybridEncoderModel
 from yoso_serve.model.onnx_runtime import load_onnx
-from yoso_serve.service.loading import ServedModel, check_onnx_serving
+from yoso_serve.model.served import ServedModel
+from yoso_serve.service.runtimes import check_onnx_serving
 
 TEXTS = ["the quick brown fox", "jumps over the lazy dog and keeps running far away", "short",
          " ".join(f"word{i}" for i in range(300))]  # the last is truncated to the model's 160 tokens
