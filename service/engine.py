@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable
@@ -17,92 +16,28 @@ from typing import Awaitable, Callable
 import numpy as np
 import torch
 
-from yoso_serve.model.hashes import HashesError, auto_crossover, hashes_header, resolve_hashes
-from yoso_serve.model.pieces import piece_bounds, piece_means
+from yoso_serve.model.hashes import auto_crossover, hashes_header, resolve_hashes
+from yoso_serve.model.served import ServedModel
 
 from .admission import SPEED_PROBE, request_arrival, request_budget
-from .errors import ClientGone, InvalidInput, NotReady
+from .errors import ClientGone, NotReady
+from .inputs import split_texts
 from .metrics import ServiceMetrics
 from .params import ClassifyParams, EmbedParams, HiddenParams, Output, PiecesParams, Usage
-from .loading import LoadedModel, ServedModel, check_model_limits
+from .loading import LoadedModel, check_model_limits
+from .outputs import document_pieces, head_scores, pooled_documents
+from .requests import RequestRules
 from .scheduler import BatchScheduler, OutputKind, WorkItem
 from .settings import ServeSettings
-from .zero_shot import DEFAULT_SCORE_CENTER, ranked, softmax, zero_shot_classify
+from .threads import in_own_thread
+from .zero_shot import DEFAULT_SCORE_CENTER, zero_shot_classify
 
 log = logging.getLogger("yoso_serve.service")
 
 WARMUP_TEXT = "warm-up"
-# /embed_pieces' default piece size: the default model's pieces were trained and measured at 64 and 128 tokens
-# (docs/training.md, item 8); 128 gives half the vectors to store.
-PIECE_TOKENS = 128
 
 
 Watch = Callable[[], Awaitable[object]]  # completes when the client disconnects
-
-
-def chunk_windows(n_tokens: int, window: int, overlap: int) -> list[tuple[int, int, int]]:
-    """Split ``n_tokens`` content tokens into ``(start, stop, weight)`` windows of at most ``window``
-    tokens, neighbours sharing ``overlap``. ``weight`` counts the tokens a window adds that no
-    earlier window had, so the weights sum to ``n_tokens`` (overlap counted once)."""
-    if not 0 <= overlap < window:
-        raise ValueError(f"chunk overlap {overlap} must be in [0, window {window})")
-    if n_tokens == 0:  # a text the tokenizer drops whole ("\x07"): its specials alone, weight 1, not 0/0
-        return [(0, 0, 1)]
-    windows, start, covered = [], 0, 0
-    while True:
-        stop = min(start + window, n_tokens)
-        windows.append((start, stop, stop - covered))
-        covered = stop
-        if stop >= n_tokens:
-            return windows
-        start = stop - overlap
-
-
-async def in_own_thread(fn: Callable[[], object], name: str) -> object:
-    """``fn()`` on a new thread that ends with it. Not ``asyncio.to_thread``: the model load runs torch ops
-    in parallel, and OpenMP keeps a team for every thread that ran a parallel region while that thread
-    lives; with the executor's long-lived thread holding one, the batcher's own team ran a 1 × 128 forward
-    in 32–36 ms instead of 22 (AMD EPYC, 2 cores; every forward runs on the batcher thread)."""
-    loop = asyncio.get_running_loop()
-    done = loop.create_future()
-
-    def settle(error: BaseException | None, value: object) -> None:
-        if done.done():  # the awaiting coroutine was cancelled
-            return
-        if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(value)
-
-    def target() -> None:
-        try:
-            value = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine, raised there
-            loop.call_soon_threadsafe(settle, exc, None)
-        else:
-            loop.call_soon_threadsafe(settle, None, value)
-
-    threading.Thread(target=target, name=name, daemon=True).start()
-    return await done
-
-
-def unit_rows(x: np.ndarray) -> np.ndarray:
-    """Rows of ``x`` scaled to unit length (a zero row stays zero)."""
-    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-
-
-def _char_bounds(offsets: list[tuple[int, int]], bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Character bounds of each token range: from its first content token's start to its last one's stop;
-    special tokens (offset (0, 0)) have no text, so a range of them only is empty where the text stopped."""
-    out, end = [], 0
-    for a, b in bounds:
-        text = [o for o in offsets[a:b] if o[1] > o[0]]
-        if text:
-            out.append((text[0][0], text[-1][1]))
-            end = text[-1][1]
-        else:
-            out.append((end, end))
-    return out
 
 
 class Engine:
@@ -132,6 +67,7 @@ class Engine:
         self.fixed_hashes: int | None = None  # the one count an exported graph runs
         self.default_hashes: int | None = None  # the count at and above auto's crossover
         self.exact_below: int | None = None  # auto's crossover, in tokens
+        self.rules: RequestRules | None = None  # every per-request rule (requests.py), once the model is known
         self.backend: dict = {}
         self.runtime: str = settings.runtime  # the resolved one once loaded ("auto" means not yet)
         self.runtime_reason: str | None = None
@@ -181,6 +117,7 @@ class Engine:
                                              fixed=self.fixed_hashes, n_tokens=self.max_length)
         self.exact_below = auto_crossover(s.auto_exact_below, loaded.runtime)
         self.model = model.to(self.device).eval()
+        self.rules = RequestRules(s, cfg, model.has_classifier, self.max_length, self.fixed_hashes, self.exact_below)
         self.backend = model.backend_info()
         self.runtime, self.runtime_reason = loaded.runtime, loaded.reason
         self.metrics.set_model_info(model=self.model_name, hashes=self.default_hashes,
@@ -216,23 +153,8 @@ class Engine:
         """Every check :meth:`embed` (EmbedParams) or :meth:`embed_pieces` (PiecesParams) makes before it
         tokenises, so that a route calling several of them refuses a request before any of them runs;
         returns the request's hash count."""
-        if isinstance(p, PiecesParams):
-            self._check_open()
-            if self.model.config.pooling != "mean":
-                raise InvalidInput("pieces are means of token states, and this model pools by its first token "
-                                   "(pooling 'cls'); use /embed or /embed_all")
-            size = self._piece_tokens(p)
-            if not 1 <= size <= self.max_length:
-                raise InvalidInput(f"piece_tokens must be in [1, {self.max_length}] (the model's input length), "
-                                   f"got {size}", param="piece_tokens")
-            return self._check_hidden(p)
-        self._check_open(warmup)
-        hashes = self._hashes(p.hashes)
-        self._check_texts(p.texts)
-        if p.dimensions is not None and not 1 <= p.dimensions <= self.model.config.hidden_size:
-            raise InvalidInput(f"dimensions must be in [1, {self.model.config.hidden_size}] (the "
-                               f"model's hidden size), got {p.dimensions}", param="dimensions")
-        return hashes
+        self._check_open(warmup and not isinstance(p, PiecesParams))
+        return self.rules.verify(p)
 
     async def check_all(self, p: EmbedParams | PiecesParams) -> None:
         """:meth:`check`, and with long_input 'error' the inputs' token counts too (a tokenisation that is
@@ -251,62 +173,36 @@ class Engine:
                                          chunk_hint=p.chunk_hint)
         usage = Usage(tokenize_ms=1000 * (time.monotonic() - t0))
         flat = [(i, ids, w) for i, windows in enumerate(pieces) for ids, w in windows]
-        rows = await self._run([ids for _, ids, _ in flat], hashes, OutputKind.EMBED, p.pooling, usage, watch, [i for i, *_ in flat])
-        vectors = np.zeros((len(p.texts), rows[0].shape[0]), dtype=np.float32)
-        weights = np.zeros(len(p.texts), dtype=np.float32)
-        for (i, _, w), row in zip(flat, rows):
-            vectors[i] += w * row
-            weights[i] += w
-        vectors /= weights[:, None]
-        if p.dimensions is not None:
-            vectors = np.ascontiguousarray(vectors[:, : p.dimensions])
-        if p.normalize:
-            vectors = unit_rows(vectors)
-        return Output(vectors, usage)
+        owners = [i for i, *_ in flat]
+        rows = await self._run([ids for _, ids, _ in flat], hashes, OutputKind.EMBED, p.pooling, usage, watch, owners)
+        return Output(pooled_documents(len(p.texts), owners, [w for *_, w in flat], rows,
+                                       dimensions=p.dimensions, normalize=p.normalize), usage)
 
     async def embed_all(self, p: HiddenParams, watch: Watch | None = None) -> Output:
         """Last hidden states per input: a list of (n_tokens_i, d) float32 arrays."""
-        hashes = self._check_hidden(p)
+        self._check_open()
+        hashes = self.rules.verify(p)
         rows, usage, _ = await self._run_whole_inputs(p, hashes, OutputKind.HIDDEN, watch, vector_tokens=1)
         return Output(rows, usage)
-
-    def _check_hidden(self, p: HiddenParams) -> int | str:
-        self._check_open()
-        hashes = self._hashes(p.hashes)
-        self._check_texts(p.texts)
-        if p.long_input == "chunk":
-            raise InvalidInput("long_input='chunk' is only for pooled embeddings (/embed); use "
-                               "'truncate' or 'error' here", param="long_input")
-        return hashes
-
-    def _piece_tokens(self, p: PiecesParams) -> int:
-        return min(PIECE_TOKENS, self.max_length) if p.piece_tokens is None else p.piece_tokens
 
     async def embed_pieces(self, p: PiecesParams, watch: Watch | None = None) -> Output:
         """Per input, from one pass: its pooled embedding (as :meth:`embed` without chunking) and the mean
         token state of each consecutive ``piece_tokens``-token piece (model/pieces.py), with each piece's
         token and character bounds: ``[(vector (d,), pieces (k, d), [(tok_a, tok_b)], [(char_a, char_b)])]``."""
         hashes = self.check(p)
-        size = self._piece_tokens(p)
+        size = self.rules.piece_tokens(p)
         # the token states of one pass per input, and the character offsets of the same tokenisation
         states, usage, offsets = await self._run_whole_inputs(p, hashes, OutputKind.HIDDEN, watch, offsets=True,
                                                               vector_tokens=size)
-        out = []
-        for hidden, offs in zip(states, offsets):
-            whole, means, _ = piece_means(torch.from_numpy(hidden)[None], torch.ones(1, len(hidden)), size)
-            vector, pieces = whole[0].numpy(), means[0].numpy()
-            if p.normalize:
-                vector, pieces = unit_rows(vector), unit_rows(pieces)
-            bounds = piece_bounds(len(hidden), size)
-            out.append((vector, pieces, bounds, _char_bounds(offs, bounds)))
-        return Output(out, usage)
+        return Output([document_pieces(hidden, offs, size, p.normalize) for hidden, offs in zip(states, offsets)],
+                      usage)
 
     async def classify(self, p: ClassifyParams, watch: Watch | None = None) -> Output:
         """Per input, ``[(label, score), ...]`` sorted by score, highest first."""
         self._check_open()
         if p.labels is None:
             return await self._classify_head(p, watch)
-        return await zero_shot_classify(p, watch, embed=self.embed, check_texts=self._check_texts,
+        return await zero_shot_classify(p, watch, embed=self.embed, check_texts=self.rules.texts,
                                         max_labels=self.settings.max_client_batch_size, center=self.score_center)
 
     async def _run_whole_inputs(self, p, hashes: int | str, kind: OutputKind, watch: Watch | None, *,
@@ -323,39 +219,19 @@ class Engine:
         usage = Usage(tokenize_ms=1000 * (time.monotonic() - t0))
         seqs = [w[0][0] for w in pieces]
         if vector_tokens is not None:
-            vectors, limit = sum(-(-len(ids) // vector_tokens) for ids in seqs), self.settings.max_batch_tokens
-            if vectors > limit:
-                pieces_ = isinstance(p, PiecesParams)
-                each = f"one per {vector_tokens}-token piece" if pieces_ else "one per token"
-                raise InvalidInput(f"the answer would hold {vectors} vectors ({each}), above max_batch_tokens "
-                                   f"({limit}) vectors per request; send fewer or shorter inputs"
-                                   + (", or larger pieces" if pieces_ else ""), param="inputs")
+            self.rules.answer_size(seqs, vector_tokens, isinstance(p, PiecesParams))
         return await self._run(seqs, hashes, kind, None, usage, watch), usage, spans
 
     async def _classify_head(self, p: ClassifyParams, watch: Watch | None) -> Output:
-        if not self.model.has_classifier:
-            raise InvalidInput("this model has no classification head; pass `labels` to classify "
-                               "zero-shot by embedding similarity", param="labels")
-        hashes = self._hashes(p.hashes)
-        self._check_texts(p.texts)
-        if p.long_input == "chunk":
-            raise InvalidInput("long_input='chunk' is not supported with a classification head; "
-                               "use 'truncate' or 'error'", param="long_input")
+        hashes = self.rules.verify(p)
         rows, usage, _ = await self._run_whole_inputs(p, hashes, OutputKind.CLASSIFY, watch)
-        logits = np.stack(rows)
-        if p.raw_scores:
-            scores = logits
-        elif p.multi_label:
-            scores = 1.0 / (1.0 + np.exp(-logits))
-        else:
-            scores = softmax(logits)
-        id2label = self.model.id2label
-        return Output(ranked(scores, [id2label.get(i, str(i)) for i in range(logits.shape[1])]), usage)
+        return Output(head_scores(np.stack(rows), self.model.id2label, raw_scores=p.raw_scores,
+                                  multi_label=p.multi_label), usage)
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[dict]]:
         """Per input, its tokens: ``{id, text, start, stop, special}`` (offsets in characters)."""
         self._check_open()
-        self._check_texts(texts)
+        self.rules.texts(texts)
         tok = self.model.tokenizer
         specials = set(tok.wrap([]))
 
@@ -373,12 +249,7 @@ class Engine:
     async def decode(self, batch: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
         """Per list of token ids, its text (the inverse of tokenize)."""
         self._check_open()
-        if len(batch) > self.settings.max_client_batch_size:
-            raise InvalidInput(f"{len(batch)} id lists is above max_client_batch_size "
-                               f"{self.settings.max_client_batch_size}; split the request", param="ids")
-        vocab = self.model.tokenizer.vocab_size
-        if any(i >= vocab for ids in batch for i in ids):
-            raise InvalidInput(f"token ids must be in [0, {vocab}) (the vocabulary size)", param="ids")
+        self.rules.token_ids(batch, self.model.tokenizer.vocab_size)
         return await asyncio.get_running_loop().run_in_executor(
             self._text_pool, lambda: self.model.tokenizer.tokenizer.decode_batch(batch, skip_special_tokens))
 
@@ -432,26 +303,6 @@ class Engine:
                   "failed": f"model failed to load ({self.failure})"}[self.state]
         raise NotReady(f"{reason}; retry later or on another replica")
 
-    def _hashes(self, requested: int | str | None, n_tokens: int | None = None) -> int | str:
-        """A request's count ("auto" stays), or one input's with ``n_tokens``; model/hashes.py decides."""
-        try:
-            return resolve_hashes(self.model.config, requested, source="request", default=self.settings.hashes,
-                                  max_hashes=self.settings.max_hashes, fixed=self.fixed_hashes,
-                                  exact_below=self.exact_below, n_tokens=n_tokens)
-        except HashesError as exc:
-            raise InvalidInput(str(exc), param="hashes") from None
-
-    def _check_texts(self, texts: list[str]) -> None:
-        if not texts:
-            raise InvalidInput("inputs must not be empty", param="inputs")
-        if len(texts) > self.settings.max_client_batch_size:
-            raise InvalidInput(f"{len(texts)} inputs is above max_client_batch_size "
-                               f"{self.settings.max_client_batch_size}; split the request", param="inputs")
-        if any(not t for t in texts):
-            raise InvalidInput("inputs must not contain empty strings", param="inputs")
-        if self.settings.log_texts:
-            log.info("inputs: %r", texts)
-
     async def _tokenize(self, texts: list[str], side: str, long_input: str, *, offsets: bool = False,
                         chunk_hint: bool = False,
                         ) -> tuple[list[list[tuple[list[int], int]]], list[list[tuple[int, int]]] | None]:
@@ -469,30 +320,10 @@ class Engine:
             self.metrics.input_length.observe(n)
         return pieces, spans
 
-    def _split(self, texts: list[str], side: str, long_input: str, offsets: bool = False, chunk_hint: bool = False,
-               ) -> tuple[list[list[tuple[list[int], int]]], list[list[tuple[int, int]]] | None]:
-        tok = self.model.tokenizer
-        if long_input != "chunk":
-            limit = self.max_length if long_input == "truncate" else None
-            if offsets:
-                encoded = tok.encode_with_offsets(texts, max_length=limit, truncation_side=side)
-            else:
-                encoded = [(ids, None) for ids in tok.encode(texts, max_length=limit, truncation_side=side)]
-            for i, (ids, _) in enumerate(encoded):
-                if len(ids) > self.max_length:
-                    # only long_input 'error' (or TEI's truncate: false) gets here: the client turned truncation off
-                    raise InvalidInput(f"input {i} has {len(ids)} tokens, above the limit of {self.max_length} (the "
-                                       "model's input length), and the request turned truncation off; shorten it, "
-                                       "allow truncation" + (", or send long_input='chunk'" if chunk_hint else ""),
-                                       param="inputs", index=i)
-            return [[(ids, len(ids))] for ids, _ in encoded], [o for _, o in encoded] if offsets else None
-        if offsets:
-            raise ValueError("character offsets are for whole inputs, not chunks")
-        out = []
-        for ids in tok.encode(texts, add_special_tokens=False):
-            out.append([(tok.wrap(ids[a:b]), w) for a, b, w in
-                        chunk_windows(len(ids), self.window, self.settings.chunk_overlap)])
-        return out, None
+    def _split(self, texts: list[str], side: str, long_input: str, offsets: bool = False, chunk_hint: bool = False):
+        return split_texts(self.model.tokenizer, texts, side, long_input, max_length=self.max_length,
+                           window=self.window, overlap=self.settings.chunk_overlap, offsets=offsets,
+                           chunk_hint=chunk_hint)
 
     async def _run(self, seqs: list[list[int]], hashes: int | str, kind: OutputKind, pooling: str | None,
                    usage: Usage, watch: Watch | None, owners: list[int] | None = None) -> list[np.ndarray]:
@@ -500,7 +331,7 @@ class Engine:
         groups by it), wait for all (or the client leaving), fill ``usage``. ``owners``: each sequence's input."""
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + request_budget(self.settings.request_timeout)
-        counts = [self._hashes(hashes, len(ids)) for ids in seqs]
+        counts = [self.rules.hashes(hashes, len(ids)) for ids in seqs]
         usage.hashes = hashes_header(counts, owners)
         items = [WorkItem(ids, count, kind, pooling, deadline, loop.create_future(), loop)
                  for ids, count in zip(seqs, counts)]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from yoso_serve.service.batching import plan_batch
-from yoso_serve.service.engine import chunk_windows
+from yoso_serve.service.inputs import chunk_windows
 from yoso_serve.service.errors import ClientGone, DeadlineExceeded, InternalError, NotReady, Overloaded
 from yoso_serve.service.metrics import ServiceMetrics, power_of_two_buckets
 from yoso_serve.service.scheduler import BatchScheduler, OutputKind, WorkItem
