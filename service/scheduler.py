@@ -43,7 +43,7 @@ class WorkItem:
     hashes: int
     kind: OutputKind
     pooling: str | None
-    deadline: float  # time.monotonic() after which the item is dropped with 504
+    deadline: float  # time.monotonic() after which the item is dropped with 504, unless its request started
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     enqueued: float = field(default_factory=time.monotonic)
@@ -51,7 +51,7 @@ class WorkItem:
     queue_wait: float = 0.0
     inference: float = 0.0
     batch_id: int = -1
-    first_start: FirstStart | None = None  # shared by the request's items when its wait was predicted
+    first_start: FirstStart | None = None  # shared by the request's items (submit sets it)
 
     @property
     def length(self) -> int:
@@ -64,10 +64,12 @@ class WorkItem:
 
 @dataclass(eq=False)
 class FirstStart:
-    """One admitted request's predicted wait; the actual one is observed beside it when the first of
-    the request's inputs starts."""
+    """One admitted request, shared by its inputs: its predicted wait (None when it could not be
+    predicted), observed beside the actual one when the first of its inputs starts. A request is timed
+    as one unit: its deadline bounds the wait until it starts, so once one of its inputs has run the
+    others are never dropped for it, however long the request's own work takes."""
 
-    predicted: float
+    predicted: float | None
     started: bool = False
 
 
@@ -144,10 +146,9 @@ class BatchScheduler:
             if self._stop or (not self._accepting and not accepted):
                 raise NotReady("server is shutting down; retry on another replica")
             admission = self._admit(min(it.deadline for it in items) - time.monotonic(), tokens)
-            if admission.predicted_wait is not None:
-                first = FirstStart(admission.predicted_wait)
-                for it in items:
-                    it.first_start = first
+            first = FirstStart(admission.predicted_wait)
+            for it in items:
+                it.first_start = first
             self._queue.extend(items)
             self._queued_tokens += tokens
             for it in items:
@@ -214,7 +215,8 @@ class BatchScheduler:
         with self._cond:
             while True:
                 now = time.monotonic()
-                dead = [i for i, it in enumerate(self._queue) if it.cancelled or it.deadline <= now]
+                dead = [i for i, it in enumerate(self._queue) if it.cancelled or (
+                    it.deadline <= now and not (it.first_start is not None and it.first_start.started))]
                 dropped = self._take(dead) if dead else []
                 if dropped:
                     return [], dropped
@@ -250,8 +252,8 @@ class BatchScheduler:
         else:
             # the deadline counts from the request's arrival, so tokenisation may have used all of it (then 0.0 s)
             left = max(0.0, item.deadline - item.enqueued)
-            error = DeadlineExceeded(f"input waited longer than its deadline ({left:.1f} s left of it when queued: "
-                                     f"request_timeout, or x-request-timeout when lower) in the queue; retry later")
+            error = DeadlineExceeded(f"request waited longer than its deadline to start ({left:.1f} s left of it "
+                                     f"when queued: request_timeout, or x-request-timeout when lower); retry later")
         self._resolve(item, error=error)
 
     def _run(self, batch: list[WorkItem]) -> None:
@@ -265,8 +267,9 @@ class BatchScheduler:
             first = it.first_start
             if first is not None and not first.started:
                 first.started = True
-                self.metrics.predicted_wait.observe(first.predicted)
-                self.metrics.actual_wait.observe(it.queue_wait)
+                if first.predicted is not None:
+                    self.metrics.predicted_wait.observe(first.predicted)
+                    self.metrics.actual_wait.observe(it.queue_wait)
         self._running = (batch[0].hashes, padded, start)
         try:
             outputs = self._run_batch(batch)

@@ -70,8 +70,9 @@ class ServeSettings(BaseSettings):
                                          "max_position_embeddings.")
     payload_limit: int = Field(2_000_000, ge=1, description="Largest request body in bytes "
                                "(checked before parsing, chunked bodies included).")
-    request_timeout: float = Field(30.0, gt=0, description="Seconds an input may wait in the queue "
-                                   "before it is dropped with 504. A request whose predicted wait is "
+    request_timeout: float = Field(30.0, gt=0, description="Seconds a request may wait in the queue "
+                                   "before its first input starts, else 504; once started, all its inputs "
+                                   "run however long they take. A request whose predicted wait is "
                                    "over 0.8 x this gets 429 at once; a client may ask for less with "
                                    "the x-request-timeout header, never more.")
     threads: int | None = Field(None, ge=1, le=MAX_THREADS, description="torch CPU threads. Default: torch's "
