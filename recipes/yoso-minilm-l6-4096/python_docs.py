@@ -1,131 +1,41 @@
-"""Real training text from the Python documentation (Debian package python3.11-doc).
+"""The distillation data: the Python documentation (Debian package python3.11-doc) as passages, long
+documents and topic labels.
 
-Sphinx HTML → sections (heading + its own paragraphs) with the stdlib ``html.parser``.
-Train / held-out is split by *document* (a hash of the page path), so no page has
-sections on both sides and the held-out numbers measure text the student never saw.
+Pages are read into sections (heading + its own blocks) by corpus.py's HTML reader and split into train /
+held-out by page with its split, so no page has sections on both sides and the held-out numbers measure
+text the student never saw.
 """
 
 from __future__ import annotations
 
-import hashlib
-import html.parser
 import json
-from dataclasses import dataclass, field
+import random
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterator
 
+from corpus import Section, html_sections, is_heldout, write_jsonl
+
 DEFAULT_HTML_ROOT = Path("/usr/share/doc/python3.11/html")
+HELDOUT_PERCENT = 10
+PASSAGE_WORDS = 160  # ≈ 200–250 word pieces: under the teacher's 256-token training length
+LONG_TOKENS = (2048, 4000)  # held-out "long documents" (special tokens leave room under 4096)
+TOPIC_CAP = 60  # sections per topic in the classification training set: balanced, and CPU-sized
+MIN_TOPIC_HELDOUT = 8
 
 # Index and search pages are lists of links, not prose.
 _SKIP_PAGES = ("genindex", "py-modindex", "search", "contents", "download")
-_BLOCKS = {"p", "li", "dt", "dd", "pre", "h1", "h2", "h3", "h4", "h5", "h6", "tr", "caption", "div"}
-_HEADINGS = {"h1", "h2", "h3", "h4", "h5", "h6"}
-_SILENT = {"script", "style"}
-
-
-@dataclass
-class Section:
-    """One ``<section>`` of a page: its heading and only its own paragraphs (not subsections)."""
-
-    anchor: str
-    title: str = ""
-    paragraphs: list[str] = field(default_factory=list)
-
-    @property
-    def text(self) -> str:
-        return "\n".join([self.title, *self.paragraphs]).strip()
-
-
-class _SectionParser(html.parser.HTMLParser):
-    """Collects the text of ``div.body`` grouped by innermost ``<section>``, in document order."""
-
-    def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
-        self.sections: list[Section] = []
-        self._stack: list[Section] = []
-        self._body_depth = 0  # div nesting inside div.body; 0 = outside the body
-        self._silent = 0  # inside script/style/headerlink
-        self._buf: list[str] = []
-        self._in_heading = False
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        a = dict(attrs)
-        if tag == "div" and self._body_depth == 0:
-            if "body" in (a.get("class") or "").split():
-                self._body_depth = 1
-            return
-        if self._body_depth == 0:
-            return
-        if tag == "div":
-            self._body_depth += 1
-        if tag in _SILENT or (tag == "a" and "headerlink" in (a.get("class") or "")):
-            self._silent += 1
-            return
-        if tag == "section":
-            self._flush()
-            sec = Section(anchor=a.get("id") or "")
-            self._stack.append(sec)
-            self.sections.append(sec)
-        elif tag in _BLOCKS:
-            self._flush()
-            self._in_heading = tag in _HEADINGS
-        elif tag == "br":
-            self._buf.append("\n")
-
-    def handle_endtag(self, tag: str) -> None:
-        if self._body_depth == 0:
-            return
-        if tag in _SILENT or (tag == "a" and self._silent):
-            self._silent = max(0, self._silent - 1)
-            return
-        if tag == "section":
-            self._flush()
-            if self._stack:
-                self._stack.pop()
-        elif tag in _BLOCKS:
-            self._flush()
-        if tag == "div":
-            self._body_depth -= 1
-
-    def handle_data(self, data: str) -> None:
-        if self._body_depth and not self._silent:
-            self._buf.append(data)
-
-    def _flush(self) -> None:
-        # whitespace (including the line breaks of code blocks) collapses: the encoders see word pieces only
-        text = " ".join("".join(self._buf).split())
-        self._buf = []
-        if not text or not self._stack:
-            self._in_heading = False
-            return
-        sec = self._stack[-1]
-        if self._in_heading and not sec.title:
-            sec.title = text
-        else:
-            sec.paragraphs.append(text)
-        self._in_heading = False
 
 
 def parse_page(path: Path) -> list[Section]:
     """The non-empty sections of one Sphinx HTML page, in document order."""
-    parser = _SectionParser()
-    parser.feed(path.read_text(encoding="utf-8", errors="replace"))
-    parser.close()
-    return [s for s in parser.sections if s.text]
+    return html_sections(path.read_text(encoding="utf-8", errors="replace"))
 
 
 def topic_of(rel: str) -> str:
     """The documentation area a page belongs to: its top-level folder (``library``, ``c-api``, ...)."""
     parts = rel.split("/")
     return parts[0] if len(parts) > 1 else "misc"
-
-
-def is_heldout(rel: str, heldout_percent: int = 10) -> bool:
-    """Deterministic document-level split: the same page is held out on every machine and run."""
-    if not 0 < heldout_percent < 100:
-        raise ValueError(f"heldout_percent must be in 1..99, got {heldout_percent}")
-    digest = hashlib.sha1(rel.encode("utf-8")).digest()
-    return int.from_bytes(digest[:4], "big") % 100 < heldout_percent
 
 
 def iter_pages(root: Path = DEFAULT_HTML_ROOT) -> Iterator[tuple[str, list[Section]]]:
@@ -143,10 +53,68 @@ def iter_pages(root: Path = DEFAULT_HTML_ROOT) -> Iterator[tuple[str, list[Secti
             yield rel, sections
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> int:
-    """Write rows as JSON lines (UTF-8, one object per line); returns the row count."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return len(rows)
+def passages(text_blocks: list[str], words: int = PASSAGE_WORDS) -> list[str]:
+    """Pack consecutive paragraphs into passages of at most ``words`` words (long ones are cut)."""
+    out, cur = [], []
+    for block in text_blocks:
+        toks = block.split()
+        while toks:
+            room = words - len(cur)
+            if room <= 0:
+                out.append(" ".join(cur))
+                cur, room = [], words
+            cur.extend(toks[:room])
+            toks = toks[room:]
+    if len(cur) >= 8:
+        out.append(" ".join(cur))
+    return out
+
+
+def long_documents(pages, tokenizer, lo: int, hi: int) -> list[dict]:
+    """Pages as consecutive sections whose token count lands in [lo, hi] (pages cut at a section edge)."""
+    docs = []
+    for rel, sections in pages:
+        text, n = "", 0
+        for sec in sections:
+            candidate = (text + "\n" + sec.text).strip()
+            m = len(tokenizer.encode([candidate])[0])
+            if m > hi:
+                break
+            text, n = candidate, m
+        if n >= lo:
+            docs.append({"text": text, "doc": rel, "tokens": n})
+    return docs
+
+
+def prepare_data(out: Path, html_root: Path, tokenizer) -> dict:
+    """Write the JSONL files of the distillation, eval and finetune stages; returns (and saves) their row counts."""
+    split: dict[str, list] = {"train": [], "heldout": []}
+    for rel, sections in iter_pages(html_root):
+        split["heldout" if is_heldout(rel, HELDOUT_PERCENT) else "train"].append((rel, sections))
+    counts = {}
+    for side, pages in split.items():
+        rows = [{"text": p, "doc": rel} for rel, secs in pages for p in passages([s.text for s in secs])]
+        counts[f"{side}_passages"] = write_jsonl(out / f"{side}_passages.jsonl", rows)
+        counts[f"{side}_long"] = write_jsonl(out / f"{side}_long.jsonl", long_documents(pages, tokenizer, *LONG_TOKENS))
+    topics = {side: [{"text": s.text, "label": topic_of(rel), "doc": rel} for rel, secs in pages for s in secs
+                     if len(s.text.split()) >= 20 and topic_of(rel) != "misc"] for side, pages in split.items()}
+    held = Counter(r["label"] for r in topics["heldout"])
+    keep = sorted(t for t, n in held.items() if n >= MIN_TOPIC_HELDOUT)
+    by_topic = defaultdict(list)
+    for row in topics["train"]:
+        if row["label"] in keep:
+            by_topic[row["label"]].append(row)
+    rng = random.Random(0)
+    train_rows = []
+    for label in keep:
+        rows = by_topic[label]
+        rng.shuffle(rows)
+        train_rows.extend(rows[:TOPIC_CAP])
+    rng.shuffle(train_rows)
+    counts["topics_train"] = write_jsonl(out / "topics_train.jsonl", train_rows)
+    counts["topics_heldout"] = write_jsonl(out / "topics_heldout.jsonl",
+                                           [r for r in topics["heldout"] if r["label"] in keep])
+    counts["topics"] = keep
+    counts["pages"] = {side: len(pages) for side, pages in split.items()}
+    (out / "counts.json").write_text(json.dumps(counts, indent=2) + "\n")
+    return counts
