@@ -1,7 +1,7 @@
 """A candidate model against a baseline (the bundle, by default) on the corpora issue 16's targets are judged on.
 
-``python -m yoso_serve.model.train.default_model compare --model CANDIDATE [--baseline MODEL]`` runs the
-pipeline's three transfer evals (:func:`~.default_model.transfer_evals`: the same documents, the same three
+``python recipes/yoso-minilm-l6-4096/make.py compare --model CANDIDATE [--baseline MODEL]`` runs the
+pipeline's three transfer evals (``evals.transfer_evals``: the same documents, the same three
 query draws) on both models and prints, pooled over the three corpora, each model's one-pass margin over the
 teacher's 240-token windows averaged, the candidate's recall@1 minus the baseline's on the same queries (a
 paired margin with its 95 % interval over documents), and short recall@1 on the first corpus of the seven
@@ -21,8 +21,12 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from yoso_serve.model.train.retrieval import pooled_margin
+
+from evals import pooled
+
 ONE_PASS = "student, one pass"
-# The corpus the short target is judged on (docs/training.md, item 10): its teacher scores 0.490.
+# The corpus the short target is judged on (LOG.md): its teacher scores 0.490.
 SHORT_CORPUS = "retrieval-unseen"
 SHORT_TARGET = 0.97  # × the teacher's short recall@1
 DEEP_TARGET = 0.05  # over the teacher's windows averaged, recall@1
@@ -30,7 +34,8 @@ DEEP_TARGET = 0.05  # over the teacher's windows averaged, recall@1
 
 def model_key(model_dir: Path) -> str:
     """A digest of the files that decide a model's vectors: its weights and its config.json (served settings
-    such as ``hash_int8`` live there)."""
+    such as ``hash_int8`` live there). Which weight file is the model's is decided here: model.safetensors
+    (the model package's one weight-file rule should decide it)."""
     digest = hashlib.sha256()
     for name in ("config.json", "model.safetensors"):
         path = model_dir / name
@@ -68,9 +73,6 @@ def compare(candidate: dict, baseline: dict) -> dict:
     """The report of two models' results (corpus name → an eval's results, the same corpora): per corpus and
     pooled, recall@1 of each one pass and of the teacher's windows, each margin over the windows, the paired
     margin candidate − baseline; short recall@1 on SHORT_CORPUS."""
-    from .model_card import pooled
-    from .retrieval import pooled_margin
-
     if set(candidate) != set(baseline) or not candidate:
         raise ValueError(f"the two models were scored on different corpora: {sorted(candidate)} and {sorted(baseline)}")
     corpora, pairs = [], []

@@ -1,5 +1,6 @@
-"""Long documents from offline documentation packages (Debian's ``*-doc``): the corpus of long-document
-training and of the deep-retrieval evaluation.
+"""The recipe's corpora from offline documentation packages (Debian's ``*-doc``): the one HTML reader, the
+one stable key hash and the one held-out split, and the long documents of long-document training and of the
+deep-retrieval evaluation (python_docs.py builds the distillation data from the same reader and split).
 
 Every page becomes a list of text blocks (paragraphs, list items, headings, code) in reading order,
 read with the stdlib ``html.parser``; navigation bars, sidebars, scripts and styles are dropped. A page
@@ -21,7 +22,7 @@ import html.parser
 import json
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -31,21 +32,39 @@ MAN_ROOT = Path("/usr/share/man")
 _BLOCKS = {"p", "li", "dt", "dd", "pre", "h1", "h2", "h3", "h4", "h5", "h6", "tr", "caption", "div",
            "blockquote", "section", "table", "ul", "ol", "dl", "br", "hr", "title", "td", "th"}
 _SILENT = {"script", "style", "nav", "header", "footer", "head", "noscript", "svg", "button", "form"}
+_HEADINGS = {"h1", "h2", "h3", "h4", "h5", "h6"}
 # containers (by class or id) that hold navigation, not prose; matched as whole words
 _NAV = re.compile(r"\b(navheader|navfooter|sphinxsidebar|sidebar|related|headerlink|breadcrumbs?|toc|"
                   r"footer|header|menu|nav-chapters|nav-wrapper|rustdoc-toc|wy-nav-side|search)\b")
 
 
-class _BlockParser(html.parser.HTMLParser):
-    """Text of a page's body as blocks; skips silent tags and navigation containers (depth-counted
-    per tag name, so unclosed ``<p>`` or ``<li>`` inside them do not matter)."""
+@dataclass
+class Section:
+    """One ``<section>`` of a page: its heading and only its own blocks (not its subsections')."""
+
+    anchor: str
+    title: str = ""
+    paragraphs: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "\n".join([self.title, *self.paragraphs]).strip()
+
+
+class _PageParser(html.parser.HTMLParser):
+    """Text of a page's body as blocks, and the same blocks grouped by innermost ``<section>``; skips silent
+    tags and navigation containers (depth-counted per tag name, so unclosed ``<p>`` or ``<li>`` inside them do
+    not matter)."""
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
         self.blocks: list[str] = []
+        self.sections: list[Section] = []
+        self._open: list[Section] = []
         self._buf: list[str] = []
         self._skip_tag: str | None = None
         self._skip_depth = 0
+        self._in_heading = False
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if self._skip_tag is not None:
@@ -59,6 +78,10 @@ class _BlockParser(html.parser.HTMLParser):
             return
         if tag in _BLOCKS:
             self._flush()
+            self._in_heading = tag in _HEADINGS
+        if tag == "section":
+            self._open.append(Section(anchor=a.get("id") or ""))
+            self.sections.append(self._open[-1])
 
     def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         if self._skip_tag is None and tag in _BLOCKS:
@@ -73,28 +96,58 @@ class _BlockParser(html.parser.HTMLParser):
             return
         if tag in _BLOCKS:
             self._flush()
+        if tag == "section" and self._open:
+            self._open.pop()
 
     def handle_data(self, data: str) -> None:
         if self._skip_tag is None:
             self._buf.append(data)
 
     def _flush(self) -> None:
+        # whitespace (the line breaks of code blocks too) collapses: the encoders see word pieces only
         text = " ".join("".join(self._buf).split())
         self._buf = []
-        if text:
-            self.blocks.append(text)
+        heading, self._in_heading = self._in_heading, False
+        if not text:
+            self._in_heading = heading  # a heading's text may follow an empty flush inside it
+            return
+        self.blocks.append(text)
+        if self._open:
+            sec = self._open[-1]
+            if heading and not sec.title:
+                sec.title = text
+            else:
+                sec.paragraphs.append(text)
 
     def close(self) -> None:
         super().close()
         self._flush()
 
 
-def html_blocks(markup: str) -> list[str]:
-    """The text blocks of an HTML page in reading order (whitespace collapsed, empty blocks dropped)."""
-    parser = _BlockParser()
+def parse_html(markup: str) -> _PageParser:
+    parser = _PageParser()
     parser.feed(markup)
     parser.close()
-    return parser.blocks
+    return parser
+
+
+def html_blocks(markup: str) -> list[str]:
+    """The text blocks of an HTML page in reading order (whitespace collapsed, empty blocks dropped)."""
+    return parse_html(markup).blocks
+
+
+def html_sections(markup: str) -> list[Section]:
+    """The non-empty ``<section>`` elements of an HTML page (Sphinx writes one per heading), in order."""
+    return [s for s in parse_html(markup).sections if s.text]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> int:
+    """Write rows as JSON lines (UTF-8, one object per line); returns the row count."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return len(rows)
 
 
 @dataclass(frozen=True)
@@ -265,8 +318,6 @@ def prepare_corpus(out: Path, tokenizer, *, train_sources=TRAIN_SOURCES, transfe
                    heldout_percent: int = 5, max_tokens: int = 4000, min_tokens: int = 64) -> dict:
     """Write ``train_docs.jsonl`` (training sources, pages not held out), ``heldout_docs.jsonl`` (their
     held-out pages) and ``transfer_docs.jsonl`` (whole sources kept out of training); returns the counts."""
-    from .pydocs import write_jsonl
-
     overlap = set(train_sources) & set(transfer_sources)
     if overlap:
         raise ValueError(f"sources both trained on and kept out: {sorted(overlap)}")

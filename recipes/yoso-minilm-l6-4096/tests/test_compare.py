@@ -1,4 +1,4 @@
-"""`default_model compare`: a candidate against a baseline on the corpora issue 16's targets are judged on,
+"""`make.py compare`: a candidate against a baseline on the corpora issue 16's targets are judged on,
 paired query by query, each model scored once."""
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from yoso_serve.model.train import compare, default_model, retrieval
+import compare
+import evals
+import make as default_model
+from yoso_serve.model.train import retrieval
 
 WORDS = {"greek": "alpha beta gamma delta".split(), "code": "python module function class".split(),
          "flow": "loop while for if else".split()}
@@ -80,7 +83,7 @@ def test_compare_scores_each_model_once_on_the_pipelines_corpora(tiny_bert, tiny
     (work / "longdoc-data-unseen").mkdir()
     write_jsonl(work / "longdoc-data" / "transfer_docs.jsonl", _docs(5, 0))
     write_jsonl(work / "longdoc-data-unseen" / "transfer_docs.jsonl", _docs(9, 1))
-    monkeypatch.setattr(default_model, "RETRIEVAL_DOCS", 4)  # the unseen packages' second corpus: docs 5..9
+    monkeypatch.setattr(evals, "RETRIEVAL_DOCS", 4)  # the unseen packages' second corpus: docs 5..9
     monkeypatch.setattr("yoso_serve.model.default.minilm_dir", lambda: tiny_bert)
     runs = []
     real_cli = default_model._cli

@@ -22,12 +22,11 @@ import shutil
 from pathlib import Path
 
 from yoso_serve.model import load_pretrained
+from yoso_serve.model.train.runtime import read_events
 
-from .default_model import (LONGDOC_CURRICULUM, PIECE_TOKENS, QUERY_DRAWS, RETRIEVAL_DOCS, distill_argv,
-                            final_model, longdoc2_argv, longdoc3_argv, longdoc4_argv, longdoc5_argv, longdoc6_argv,
-                            longdoc7_argv, longdoc_argv, refine_argv)
-from .longdocs import SOURCES, UNSEEN_SOURCES
-from .runtime import read_events
+import stages as recipe
+from corpus import SOURCES, UNSEEN_SOURCES
+from evals import PIECE_TOKENS, QUERY_DRAWS, RETRIEVAL_DOCS, final_model, pooled
 
 DEEP_MARGIN = 0.05  # deep recall@1 over the windowed teacher's
 SHORT_RATIO = 0.97  # short recall@1 as a share of the teacher's
@@ -51,7 +50,7 @@ def _versions(*corpora: dict | None) -> list[str]:
     if not found:
         return []
     return [f"Package versions read: {_counts(dict(sorted(found.items())))}. Another version of a package changes its "
-            "pages, so the documents and every figure measured on them move with it (see docs/training.md).", ""]
+            "pages, so the documents and every figure measured on them move with it (see the recipe's LOG.md).", ""]
 
 
 def _packages(sources) -> str:
@@ -73,21 +72,6 @@ def _margin(results: dict | None) -> str:
     row = next(iter((results or {}).get("deep_margin", [])), None)
     return "" if row is None else (f"{row['recall_at_1']:+.3f} (95 % interval over documents "
                                    f"{row['ci95_low']:+.3f} to {row['ci95_high']:+.3f})")
-
-
-def pooled(*results: dict | None) -> dict | None:
-    """The one vector's margin over the averaged windows pooled over several corpora (each an eval's results,
-    with the eval's per-query ``deep_hits``), by :func:`~.retrieval.pooled_margin`: None unless every
-    corpus has them (results from before the eval wrote them)."""
-    from .retrieval import pooled_margin
-
-    corpora = []
-    for res in results:
-        hits, rows = (res or {}).get("deep_hits"), (res or {}).get("deep_margin")
-        if not hits or not rows:
-            return None
-        corpora.append((hits[rows[0]["student"]], hits[rows[0]["teacher"]], hits["docs"]))
-    return {**pooled_margin(corpora), "docs": sum(c[2] for c in corpora), "queries": sum(len(c[0]) for c in corpora)}
 
 
 def training_time(rows: list[dict]) -> tuple[float, int]:
@@ -144,11 +128,8 @@ def _long_table(student: dict | None, converted: dict | None) -> list[str]:
     return lines
 
 
-STAGE_NAMES = ("distill", "refine", "longdoc", "longdoc2", "longdoc3", "longdoc4", "longdoc5", "longdoc6", "longdoc7")
 # Deep retrieval of the earlier stages' models on the source kept out: run directory → row label.
-EARLIER = {"retrieval-refined": "refined model (stage 2), one pass", "retrieval-longdoc": "stage 3's model, one pass",
-           "retrieval-longdoc2": "stage 4's model, one pass", "retrieval-longdoc3": "stage 5's model, one pass",
-           "retrieval-longdoc4": "stage 6's model, one pass"}
+EARLIER = {s.kept_out_eval: s.label for s in recipe.STAGES if s.kept_out_eval}
 RECORD = "training.json"
 
 
@@ -172,7 +153,7 @@ def _stage(run: Path) -> tuple[dict, int, float, int]:
 def training_record(work: Path) -> dict:
     """What ``training.json`` holds: every stage's (config, steps, minutes, sessions)."""
     stages = {}
-    for name in STAGE_NAMES:
+    for name in (s.name for s in recipe.STAGES):
         config, steps, minutes, sessions = _stage(work / name)
         stages[name] = {"config": config, "steps": steps, "minutes": round(minutes, 1), "sessions": sessions}
     return {"stages": stages}
@@ -229,13 +210,8 @@ def targets(transfer: dict | None) -> dict[str, bool]:
 def card(work: Path, name: str) -> tuple[str, bool]:
     """(MODEL_CARD.md text, whether the final model ships: its one vector beats every earlier stage's and its
     pieces beat the teacher's windows, on the source kept out)."""
-    config, steps, minutes, sessions = _stage(work / "distill")
-    r_config, r_steps, r_minutes, r_sessions = _stage(work / "refine")
-    l_config, l_steps, l_minutes, l_sessions = _stage(work / "longdoc")
-    m_config, m_steps, m_minutes, m_sessions = _stage(work / "longdoc2")
-    n_config, n_steps, n_minutes, n_sessions = _stage(work / "longdoc3")
-    o_config, o_steps, o_minutes, o_sessions = _stage(work / "longdoc4")
-    pieces_stages = [_stage(work / name) for name in ("longdoc5", "longdoc6", "longdoc7")]
+    runs = {stage.name: _stage(work / stage.name) for stage in recipe.STAGES}
+    config, r_config = runs["distill"][0], runs["refine"][0]
     student, converted = _results(work / "eval-student"), _results(work / "eval-converted")
     transfer, heldout = _results(work / "retrieval-transfer"), _results(work / "retrieval-heldout")
     unseen, unseen2 = _results(work / "retrieval-unseen"), _results(work / "retrieval-unseen-2")
@@ -289,55 +265,19 @@ def card(work: Path, name: str) -> tuple[str, bool]:
            f"{len(UNSEEN_SOURCES)} more packages ({_counts(kept['transfer_by_source'])}).", ""] if kept else []),
         *_versions(docs, wide, kept),
         "## Training", "",
-        "```", f"python -m yoso_serve.model.train.default_model all --work {work}"
+        "```", f"python recipes/yoso-minilm-l6-4096/make.py all --work {work}"
         + (f" --minutes {config['max_minutes']:g}" if config["max_minutes"] else ""),
         "# its nine training stages:",
-        "yoso-train " + " ".join(distill_argv(work, config["teacher"], config["max_minutes"], False)),
-        "yoso-train " + " ".join(refine_argv(work, r_config["teacher"], r_config["max_minutes"], False)),
-        "yoso-train " + " ".join(longdoc_argv(work, l_config["teacher"], l_config["max_minutes"], False)),
-        "yoso-train " + " ".join(longdoc2_argv(work, m_config["teacher"], m_config["max_minutes"], False)),
-        "yoso-train " + " ".join(longdoc3_argv(work, n_config["teacher"], n_config["max_minutes"], False)),
-        "yoso-train " + " ".join(longdoc4_argv(work, o_config["teacher"], o_config["max_minutes"], False)),
-        *("yoso-train " + " ".join(fn(work, cfg["teacher"], cfg["max_minutes"], False))
-          for fn, (cfg, *_) in zip((longdoc5_argv, longdoc6_argv, longdoc7_argv), pieces_stages)), "```", "",
+        *("yoso-train " + " ".join(recipe.argv(stage, work, runs[stage.name][0]["teacher"],
+                                               runs[stage.name][0]["max_minutes"]))
+          for stage in recipe.STAGES), "```", "",
         "`make default-model` runs the same pipeline; a stage stopped by its time limit continues where it "
         "stopped when the command is run again (`--resume`), and the pipeline goes on only after it finished.", "",
         "Stages 1–2: losses 1 − cos and MSE of the pooled embeddings, MSE of the last hidden states; hash counts "
         f"{config['train_hashes']} drawn per step with fresh hash projections each step; dropout "
         f"{config.get('dropout')}; exact-mode steps follow the {_gradient(config)} (LSH steps always the lower "
         "bound).", "",
-        f"1. distill (seed {config['seed']}): the converted teacher trained {steps} optimizer steps (batch "
-        f"{config['batch_size']} × {config['grad_accum']}, lr {config['lr']:g}) in {minutes:.1f} minutes of "
-        f"wall-clock time over {sessions} session(s).",
-        f"2. refine (seed {r_config['seed']}): a YOSO-C depthwise convolution over the values (width "
-        f"{r_config.get('conv_window')}, zero-initialised, so the stage starts from stage 1's outputs) added to "
-        f"every layer; {r_steps} optimizer steps (batch {r_config['batch_size']} × {r_config['grad_accum']}, lr "
-        f"{r_config['lr']:g}, the convolution at {r_config.get('conv_lr_scale', 1.0):g}× that) in "
-        f"{r_minutes:.1f} minutes over {r_sessions} session(s).",
-        f"3. longdoc (seed {l_config['seed']}): {l_steps} optimizer steps of {l_config['batch_size']} documents of "
-        f"one source (the in-batch negatives of the same source are the hard ones) with "
-        f"{l_config['spans_per_doc']} spans each (a paragraph or one of its sentences, drawn uniformly over the "
-        f"document's tokens), lr {l_config['lr']:g}, documents cropped by the length curriculum "
-        f"{l_config.get('curriculum', LONGDOC_CURRICULUM)} (tokens:fraction of the steps); losses: symmetric "
-        f"InfoNCE spans ↔ documents with a learned temperature and a queue of {l_config['queue']} recent documents, "
-        f"symmetric InfoNCE of {l_config['short_pairs']} first-sentence → rest pairs, and 1 − cos to the teacher "
-        f"on every short text; documents at {l_config['doc_hashes']} hashes with the served projections, short "
-        f"texts at {l_config['query_hashes']} (exact). {l_minutes:.1f} minutes over {l_sessions} session(s).",
-        f"4. longdoc2 (seed {m_config['seed']}): stage 3 continued for {m_steps} optimizer steps on crops of "
-        f"{m_config.get('curriculum')} (tokens:fraction) with harder contrast: a queue of {m_config['queue']} "
-        f"documents, a starting temperature of {m_config['temperature']:g}, {m_config['short_pairs']} short pairs, "
-        f"distillation weight {m_config['w_distill']:g}, lr {m_config['lr']:g}. {m_minutes:.1f} minutes over "
-        f"{m_sessions} session(s).",
-        f"5. longdoc3 (seed {n_config['seed']}): stage 4 continued for {n_steps} optimizer steps with neighbouring "
-        f"documents as the hard negatives: each step's {n_config['batch_size']} documents drawn from "
-        f"{n_config.get('neighbourhood')} consecutive documents of one source in key order (pages of one section), "
-        f"the temperature (starting at {n_config['temperature']:g}) at {n_config.get('temperature_lr_scale', 1.0):g}× "
-        f"the lr of the rest, lr {n_config['lr']:g}, otherwise as stage 4. {n_minutes:.1f} minutes over "
-        f"{n_sessions} session(s).",
-        f"6. longdoc4 (seed {o_config['seed']}): stage 5 continued for {o_steps} optimizer steps on the wider corpus "
-        f"(Data above) with the distillation weight at {o_config['w_distill']:g}, otherwise as stage 5. "
-        f"{o_minutes:.1f} minutes over {o_sessions} session(s).",
-        *_piece_stages(pieces_stages), "",
+        *_stage_lines(runs), "",
         f"Machine: {machine()}.", "",
         "## Deep retrieval: a paragraph from the second half of a document → that document", "",
         "Documents of 1.2k–4k tokens; a query is one paragraph (≥ 20 words) from a document's second half, "
@@ -349,7 +289,7 @@ def card(work: Path, name: str) -> tuple[str, bool]:
         "PostgreSQL documentation (never trained on):", "",
         *_retrieval_table(transfer, before), "",
         f"Seven more documentation packages no stage trained on ({_packages(UNSEEN_SOURCES)}; prose pages only, as "
-        "`longdocs.py` reads them, in a fixed order that mixes the packages). They have about twice the documents "
+        "`corpus.py` reads them, in a fixed order that mixes the packages). They have about twice the documents "
         f"of one corpus, so they give two: the first {RETRIEVAL_DOCS} that qualify (`retrieval-unseen`), then the "
         "next (`retrieval-unseen-2`).", "",
         *(_retrieval_table(unseen, {}) if unseen else ["Not measured for this model (`retrieval-unseen`)."]), "",
@@ -415,19 +355,15 @@ def card(work: Path, name: str) -> tuple[str, bool]:
     return "\n".join(lines), ships
 
 
-def _piece_stages(stages: list[tuple[dict, int, float, int]]) -> list[str]:
-    """Items 7–9 of the card's training list: the piece stages."""
-    said = {0: "stage 6 continued for {steps} optimizer steps with a third loss, span → piece: each span against "
-               "the mean token states of the consecutive {size}-token pieces of the batch's crops (cut from the "
-               "first token, as the piece evaluation cuts them), its positives the pieces of its own block, weight "
-               "{w:g}; otherwise as stage 6",
-            1: "stage 7 continued for {steps} optimizer steps with pieces of {size} tokens (one size drawn per step)",
-            2: "stage 8 continued for {steps} optimizer steps as stage 8 (pieces of {size} tokens)"}
-    return [f"{7 + i}. longdoc{5 + i} (seed {cfg['seed']}): "
-            + said[i].format(steps=steps, size=" or ".join(str(cfg.get("segment_tokens", "")).split(",")),
-                             w=cfg.get("w_segment", 0.0))
-            + f". {minutes:.1f} minutes over {sessions} session(s)."
-            for i, (cfg, steps, minutes, sessions) in enumerate(stages)]
+def _stage_lines(runs: dict[str, tuple[dict, int, float, int]]) -> list[str]:
+    """The card's training list: each stage's sentence (stages.py) with what its run recorded."""
+    lines = []
+    for i, stage in enumerate(recipe.STAGES, 1):
+        cfg, steps, minutes, sessions = runs[stage.name]
+        size = " or ".join(str(cfg.get("segment_tokens", "")).split(","))
+        lines.append(f"{i}. {stage.name} (seed {cfg['seed']}): "
+                     + stage.card.format(c=cfg, steps=steps, minutes=minutes, sessions=sessions, size=size))
+    return lines
 
 
 def _centre(served: dict) -> str:
@@ -440,10 +376,18 @@ def _centre(served: dict) -> str:
             "multi-label `/classify` score 0.5.")
 
 
-def bundle(work: Path, target: Path) -> bool:
-    """Write the card into ``work``; copy model + card to ``target`` when long-document training paid."""
-    text, ships = card(work, target.name)
+def write_card(work: Path, name: str) -> bool:
+    """Write MODEL_CARD.md and training.json into ``work``; returns whether the final model ships."""
+    text, ships = card(work, name)
     (work / "MODEL_CARD.md").write_text(text, encoding="utf-8")
+    (work / RECORD).write_text(json.dumps(training_record(work), indent=1) + "\n", encoding="utf-8")
+    return ships
+
+
+def bundle(work: Path, target: Path) -> bool:
+    """Copy the final model with the card and the record into ``target`` (the one step that writes there), when
+    long-document training paid; otherwise the card stays in ``work`` alone."""
+    ships = write_card(work, target.name)
     if not ships:
         print(f"not bundled: the final model's one vector did not beat every earlier stage's, or its pieces did "
               f"not beat the teacher's windows, on the source kept out; card in {work}")
@@ -453,8 +397,8 @@ def bundle(work: Path, target: Path) -> bool:
     if target.exists():
         shutil.rmtree(target)
     shutil.copytree(final_model(work), target)
-    (target / "MODEL_CARD.md").write_text(text, encoding="utf-8")
-    (target / RECORD).write_text(json.dumps(training_record(work), indent=1) + "\n", encoding="utf-8")
+    for name in ("MODEL_CARD.md", RECORD):
+        shutil.copyfile(work / name, target / name)
     size = sum(p.stat().st_size for p in target.rglob("*") if p.is_file()) / 2**20
     print(f"bundled {target} ({size:.1f} MiB)")
     return True

@@ -1,4 +1,4 @@
-"""The default-model recipe: passages, the model card's numbers and the bundling rule."""
+"""The recipe: passages, the model card's numbers, the bundling rule and the pipeline's order."""
 
 from __future__ import annotations
 
@@ -8,10 +8,14 @@ from pathlib import Path
 
 import pytest
 
+import corpus
+import evals
+import make as default_model
+import stages
+from card import bundle, targets
+from python_docs import passages
 from yoso_serve.model import load_pretrained
-from yoso_serve.model.train import default_model, retrieval
-from yoso_serve.model.train.default_model import passages
-from yoso_serve.model.train.model_card import bundle
+from yoso_serve.model.train import retrieval
 
 
 def test_passages_pack_paragraphs_up_to_the_word_limit():
@@ -338,7 +342,7 @@ def test_pipeline_waits_for_a_stage_stopped_by_its_time_limit(tmp_path, monkeypa
     (work / "longdoc7" / "model").mkdir()
     (work / "longdoc7" / "model" / "config.json").write_text(json.dumps({"num_hash": 32, "hash_int8": False}))
     calls.clear()
-    monkeypatch.setattr("yoso_serve.model.train.model_card.bundle", lambda *a: calls.append("bundle"))
+    monkeypatch.setattr("card.write_card", lambda *a: calls.append("card"))
     centred = []
 
     def write_center(model_dir, data):  # the measurement itself: tests/train/test_calibration.py
@@ -362,7 +366,7 @@ def test_pipeline_waits_for_a_stage_stopped_by_its_time_limit(tmp_path, monkeypa
                                                     "retrieval-refined", "retrieval-longdoc", "retrieval-longdoc2",
                                                     "retrieval-longdoc3", "retrieval-longdoc4", "pieces-transfer",
                                                     "pieces-unseen")]
-    assert calls[-1] == "bundle" and len(calls) == 28  # + topics-teacher, topics-student
+    assert calls[-1] == "card" and len(calls) == 28  # + topics-teacher, topics-student; `all` never bundles
 
 
 def test_the_wider_corpus_and_the_unseen_packages_are_stages_of_their_own(tmp_path, monkeypatch):
@@ -370,15 +374,15 @@ def test_the_wider_corpus_and_the_unseen_packages_are_stages_of_their_own(tmp_pa
     monkeypatch.setattr(default_model, "prepare_corpus", lambda out, tok, **kw: seen.append((out, kw)) or {})
     assert default_model.main(["longdoc-data-wide", "--work", str(tmp_path)]) == 0
     assert default_model.main(["longdoc-data-unseen", "--work", str(tmp_path)]) == 0
-    assert seen == [(tmp_path / "longdoc-data-wide", {"train_sources": default_model.WIDE_SOURCES}),
+    assert seen == [(tmp_path / "longdoc-data-wide", {"train_sources": corpus.WIDE_SOURCES}),
                     (tmp_path / "longdoc-data-unseen", {"train_sources": (),
-                                                        "transfer_sources": default_model.UNSEEN_SOURCES})]
+                                                        "transfer_sources": corpus.UNSEEN_SOURCES})]
 
 
 def test_every_retrieval_eval_of_the_pipeline_pools_the_same_query_draws(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(default_model, "_cli", lambda argv: seen.update({argv[argv.index("--out") + 1]: argv}))
-    for name in [e for e in default_model.EVALS if e.startswith(("retrieval-", "pieces-"))]:
+    for name in [e for e in default_model.EVAL_NAMES if e.startswith(("retrieval-", "pieces-"))]:
         assert default_model.main([name, "--work", str(tmp_path)]) == 0
     assert len(seen) == 11
     for argv in seen.values():  # the final model and the earlier stages are judged on the same 3 × 300 queries
@@ -401,8 +405,8 @@ def test_every_retrieval_eval_of_the_pipeline_pools_the_same_query_draws(tmp_pat
 
 def test_the_piece_stages_replay_the_runs_their_figures_came_from(tmp_path):
     teacher = tmp_path / "teacher"
-    argvs = {name: default_model.STAGES[name](tmp_path, teacher, 0, False) for name in ("longdoc5", "longdoc6",
-                                                                                          "longdoc7")}
+    argvs = {name: stages.argv(stages.BY_NAME[name], tmp_path, teacher) for name in ("longdoc5", "longdoc6",
+                                                                                    "longdoc7")}
     for name, (start, seed, sizes) in {"longdoc5": ("longdoc4", "11", "128"), "longdoc6": ("longdoc5", "12", "64,128"),
                                        "longdoc7": ("longdoc6", "13", "64,128")}.items():
         argv = argvs[name]
@@ -412,7 +416,7 @@ def test_the_piece_stages_replay_the_runs_their_figures_came_from(tmp_path):
                          "--w-segment": "1", "--neighbourhood": "12", "--w-distill": "0.5", "--max-steps": "100",
                          "--data": str(tmp_path / "longdoc-data-wide" / "train_docs.jsonl")}
         # otherwise stage six's recipe, flag for flag
-        six = default_model.longdoc4_argv(tmp_path, teacher, 0, False)
+        six = stages.argv(stages.BY_NAME["longdoc4"], tmp_path, teacher)
         strip = {"--model", "--seed", "--out", "--segment-tokens", "--w-segment", "--max-steps"}
         keep = [a for i, a in enumerate(argv) if a not in strip and (i == 0 or argv[i - 1] not in strip)]
         assert keep == [a for i, a in enumerate(six) if a not in strip and (i == 0 or six[i - 1] not in strip)]
@@ -421,8 +425,6 @@ def test_the_piece_stages_replay_the_runs_their_figures_came_from(tmp_path):
 def test_the_deep_target_is_judged_against_the_teachers_windows_not_the_students_own():
     """With `--own-windows` the eval has a second averaged-windows row, the student's: the target is the
     one pass over the *teacher's* windows, wherever that row stands."""
-    from yoso_serve.model.train.model_card import targets
-
     own = {"method": "student, 240-token windows averaged", "docs": 300, "queries": 900, "recall_at_1": 0.80,
            "mrr_at_10": 0.85, "docs_per_s": 2.0}
     shorts = [{"method": "student", "pairs": 500, "recall_at_1": 0.6, "mrr_at_10": 0.7},
