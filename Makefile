@@ -78,11 +78,15 @@ $(PEER_VENV)/.installed:
 bench-peer: install-dev $(PEER_VENV)/.installed
 	$(PY) bench/peer.py $(ARGS)
 
-# Rebuilds the bundled default model: distillation from all-MiniLM-L6-v2 on the Python docs, then
-# long-document training on Debian's documentation packages (docs/training.md lists them). Resumes
-# from runs/default-model; ARGS="--minutes N" bounds each training stage.
+# Rebuilds the bundled default model from its recipe (recipes/yoso-minilm-l6-4096: distillation from
+# all-MiniLM-L6-v2 on the Python docs, then long-document training on Debian's documentation packages),
+# resuming from runs/default-model; ARGS="--minutes N" bounds each training stage. Writing the result into
+# model/bundled/ is the explicit last step, and only when it beats what ships.
+RECIPE := recipes/yoso-minilm-l6-4096/make.py
+
 default-model: install-dev
-	$(PY) -m yoso_serve.model.train.default_model all --work runs/default-model $(ARGS)
+	$(PY) $(RECIPE) all --work runs/default-model $(ARGS)
+	$(PY) $(RECIPE) bundle --work runs/default-model
 
 # hadolint on the Dockerfile with the project's rules (the suite runs the same check).
 lint: install-dev

@@ -83,10 +83,12 @@ import os, sys, time
 from pathlib import Path
 from yoso_serve.model.default import bundled_model_dir
 from yoso_serve.model.train.cli import main
-from yoso_serve.model.train.default_model import longdoc7_argv
+sys.path.insert(0, "recipes/yoso-minilm-l6-4096")  # the bundled model's recipe: its stages as data
+import stages
 
 e = os.environ.get
-argv = longdoc7_argv(Path("unused"), Path("init"), float(e("GPU_TRAIN_MINUTES", "4")), False)
+stage = next(s for s in stages.STAGES if s.name == "longdoc7")
+argv = stages.argv(stage, Path("unused"), Path("init"), float(e("GPU_TRAIN_MINUTES", "4")), False)
 for flag, value in (("--model", str(bundled_model_dir())), ("--teacher", "init"), ("--data", e("GPU_TRAIN_DATA")),
                     ("--out", e("GPU_TRAIN_OUT")), ("--seed", e("GPU_TRAIN_SEED", "21")),
                     ("--batch-size", e("GPU_TRAIN_BATCH", "16")), ("--max-steps", e("GPU_TRAIN_STEPS", "2000"))):

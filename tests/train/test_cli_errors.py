@@ -101,20 +101,6 @@ def test_training_commands_report_os_errors_in_one_line(tiny_yoso, topic_data, t
         one_line(capsys.readouterr().err, needle)
 
 
-def test_default_model_data_errors_are_one_line(tmp_path, capsys):
-    from yoso_serve.model.default import minilm_dir
-    from yoso_serve.model.train.default_model import main as default_main
-
-    try:
-        minilm_dir()
-    except Exception:  # noqa: BLE001 - the stage needs the bundled teacher
-        pytest.skip("no bundled teacher")
-    assert default_main(["data", "--work", str(tmp_path), "--html-root", str(tmp_path / "nonexistent")]) == 2
-    one_line(capsys.readouterr().err, "nonexistent")
-    assert default_main(["data", "--work", "/proc/x", "--html-root", str(tmp_path)]) in (1, 2)
-    one_line(capsys.readouterr().err)
-
-
 # 3. numbers that would train silently wrong are refused at parse time
 
 BAD_NUMBERS = {

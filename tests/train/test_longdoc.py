@@ -1,20 +1,20 @@
-"""Long-document training and the retrieval evaluation: the corpus reader, the contrastive command
+"""Long-document training and the retrieval evaluation: the contrastive command
 (it learns, it resumes bit for bit) and the retrieval scores against hand-computed answers."""
 
 from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from yoso_serve.model.train import longdocs, retrieval
+from yoso_serve.model.train import retrieval
 from yoso_serve.model.train.cli import main
-from yoso_serve.model.train.longdoc import (DocCorpus, LongDocLoss, crop_length, draw_spans, kernel_logits,
-                                            mine_neighbours, parse_curriculum, step_documents)
+from yoso_serve.model.train.longdoc_data import (DocCorpus, crop_length, draw_spans, mine_neighbours,
+                                                 parse_curriculum, step_documents)
+from yoso_serve.model.train.longdoc_loss import LongDocLoss, kernel_logits
 from yoso_serve.model.train.runtime import read_events
 
 TOPICS = [("alpha", "beta", "gamma"), ("python", "module", "function"), ("file", "path", "error"),
@@ -49,116 +49,6 @@ def longdoc_argv(tiny_bert, tiny_yoso, data, out, *extra):
             "--batch-size", "4", "--spans-per-doc", "2", "--short-pairs", "4", "--queue", "8",
             "--curriculum", "48:0.5,120:1", "--doc-hashes", "0,8", "--query-hashes", "0", "--log-every", "1",
             "--save-every", "4", "--lr", "1e-3", "--seed", "0", *extra]
-
-
-def test_html_blocks_keep_prose_in_order_and_drop_navigation():
-    page = """<html><head><title>T</title><style>p {}</style></head><body>
-      <div class="navheader"><p>Prev</p><p>Next <a href="x">up</a></p></div>
-      <div class="body" role="main"><h1>Heading<a class="headerlink">¶</a></h1>
-      <p>First   paragraph
-         spans lines.<p>Second, unclosed.
-      <ul><li>item one</li><li>item two</li></ul><pre>code  block</pre><script>var x;</script></div>
-      <footer>© someone</footer></body></html>"""
-    assert longdocs.html_blocks(page) == ["Heading", "First paragraph spans lines.", "Second, unclosed.",
-                                          "item one", "item two", "code block"]
-
-
-def test_parts_cut_at_block_edges_within_the_budget():
-    assert longdocs.split_parts(["a", "b", "c", "d"], [3, 3, 5, 1], 6) == [[0, 1], [2, 3]]
-    assert longdocs.split_parts(["a", "b"], [9, 1], 6) == [[0], [1]]  # an oversized block stands alone
-    rows = longdocs.page_documents("s", "p.html", ["a", "b", "c"], [30, 30, 5], max_tokens=60, min_tokens=10)
-    assert [(r["doc"], r["blocks"], r["tokens"]) for r in rows] == [("s/p.html#0", ["a", "b"], 60)]
-
-
-def test_manual_pages_are_never_sources(tmp_path):
-    root = tmp_path / "doc"
-    for rel in ("user-manual.html", "git-add.html", "gittutorial.html", "howto/a.html", "_static/x.html"):
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text("<p>text</p>")
-    git = longdocs.Source("git", root, "git-doc", longdocs.SOURCES["git"].keep)
-    assert [rel for rel, _ in git.pages(frozenset())] == ["howto/a.html", "user-manual.html"]
-    assert [rel for rel, _ in git.pages(frozenset({"a"}))] == ["user-manual.html"]  # named like a man page
-    assert not longdocs.SOURCES["postgresql"].keep("sql-select.html")
-    assert not longdocs.SOURCES["postgresql"].keep("app-psql.html")
-    assert longdocs.SOURCES["postgresql"].keep("tutorial-join.html")
-    # the wider corpus: pages that render a manual page (or repeat every page) are dropped
-    dropped = {"apache": "programs/htpasswd.html", "django": "ref/django-admin.html", "sphinx": "man/sphinx-build.html",
-               "node": "cli.html"}
-    for name, rel in dropped.items():
-        assert not longdocs.SOURCES[name].keep(rel), name
-    assert not longdocs.SOURCES["node"].keep("all.html")
-    kept = {"apache": "mod/mod_rewrite.html", "django": "topics/db/queries.html", "sphinx": "usage/quickstart.html",
-            "node": "fs.html", "r": "R-intro.html", "octave": "Basic-Vectorization.html", "flask": "tutorial/views.html"}
-    for name, rel in kept.items():
-        assert longdocs.SOURCES[name].keep(rel), name
-    # and the next seven: prose pages only, none of CMake's manual/ (its manual pages) or what they include
-    dropped = {"cmake": ["manual/cmake.1.html", "command/add_library.html", "module/FindBoost.html"],
-               "pandas": ["advanced.html", "reference/api/pandas.DataFrame.html", "whatsnew/v1.5.0.html"],
-               "scipy": ["reference/generated/scipy.fft.fft.html", "release.1.10.0.html"],
-               "sqlalchemy": ["changelog/changelog_14.html"], "pytest": ["announce/release-7.2.0.html"],
-               "vim": ["version9.html"]}
-    for name, rels in dropped.items():
-        assert not any(longdocs.SOURCES[name].keep(rel) for rel in rels), name
-    kept = {"cmake": "guide/tutorial/index.html", "pandas": "user_guide/groupby.html", "scipy": "tutorial/fft.html",
-            "sqlalchemy": "orm/quickstart.html", "pytest": "how-to/fixtures.html", "vim": "usr_05.html",
-            "gnuplot": "loadpaths.html"}
-    for name, rel in kept.items():
-        assert longdocs.SOURCES[name].keep(rel), name
-    assert set(longdocs.WIDER_SOURCES) >= set(longdocs.WIDE_SOURCES) >= set(longdocs.TRAIN_SOURCES)
-    assert not set(longdocs.WIDER_SOURCES) & set(longdocs.TRANSFER_SOURCES)
-    # the packages no stage trains on are exactly those of the wider corpus that stage six's lacks
-    assert set(longdocs.UNSEEN_SOURCES) == {"sqlalchemy", "pandas", "scipy", "pytest", "gnuplot", "vim", "cmake"}
-    assert not set(longdocs.UNSEEN_SOURCES) & {*longdocs.WIDE_SOURCES, *longdocs.TRANSFER_SOURCES}
-    man = tmp_path / "man"
-    (man / "man1").mkdir(parents=True)
-    (man / "man1" / "ls.1.gz").write_bytes(b"")
-    assert longdocs.man_page_names(man) == frozenset({"ls"})
-
-
-def test_training_and_transfer_sources_must_not_overlap(tmp_path):
-    with pytest.raises(ValueError, match="both trained on and kept out"):
-        longdocs.prepare_corpus(tmp_path, None, train_sources=("python",), transfer_sources=("python",))
-
-
-def test_transfer_documents_of_several_sources_are_mixed(tmp_path, monkeypatch):
-    # deep_pairs takes the first N eligible documents: with several sources kept out, the transfer file must not
-    # be one source after another, or the eval's corpus is its first source alone
-    names = ("a", "b", "c", "t")
-    monkeypatch.setattr(longdocs, "SOURCES", {n: longdocs.Source(n, tmp_path / n, f"{n}-doc") for n in names})
-    monkeypatch.setattr(longdocs, "dpkg_version", lambda package: f"{package[0]}-1.0")
-    monkeypatch.setattr(longdocs, "read_source", lambda source, tok, **kw: (
-        {"doc": f"{source.name}/p{i}#0", "source": source.name, "page": f"{source.name}/p{i}", "blocks": ["x"],
-         "tokens": 2000} for i in range(40)))
-    longdocs.prepare_corpus(tmp_path / "mixed", None, train_sources=("t",), transfer_sources=("a", "b", "c"),
-                            heldout_percent=0)
-    rows = [json.loads(line) for line in (tmp_path / "mixed" / "transfer_docs.jsonl").read_text().splitlines()]
-    # the counts name the package versions the corpus was read from
-    assert json.loads((tmp_path / "mixed" / "counts.json").read_text())["packages"] == {
-        "a-doc": "a-1.0", "b-doc": "b-1.0", "c-doc": "c-1.0", "t-doc": "t-1.0"}
-    assert sorted(r["doc"] for r in rows) == sorted(f"{n}/p{i}#0" for n in "abc" for i in range(40))
-    assert {r["source"] for r in rows[:15]} == {"a", "b", "c"}
-    again = tmp_path / "again"
-    longdocs.prepare_corpus(again, None, train_sources=("t",), transfer_sources=("a", "b", "c"), heldout_percent=0)
-    assert (again / "transfer_docs.jsonl").read_text() == (tmp_path / "mixed" / "transfer_docs.jsonl").read_text()
-    # one source kept out (PostgreSQL) and the training files keep their page order
-    longdocs.prepare_corpus(tmp_path / "one", None, train_sources=("t",), transfer_sources=("a",), heldout_percent=0)
-    for side, src in (("transfer", "a"), ("train", "t")):
-        docs = [json.loads(line)["doc"] for line in (tmp_path / "one" / f"{side}_docs.jsonl").read_text().splitlines()]
-        assert docs == [f"{src}/p{i}#0" for i in range(40)]
-
-
-def test_package_versions_from_dpkg_or_none(monkeypatch):
-    assert longdocs.package_versions(["b", "a", "b"], query=lambda p: "2.0" if p == "a" else None) == {
-        "a": "2.0", "b": None}
-    # a machine without dpkg, or a package not installed: None, never an error
-    monkeypatch.setenv("PATH", "/nonexistent")
-    assert longdocs.dpkg_version("postgresql-doc-15") is None
-
-
-@pytest.mark.skipif(not shutil.which("dpkg-query"), reason="needs dpkg (Debian)")
-def test_dpkg_version_of_an_installed_and_a_missing_package():
-    assert longdocs.dpkg_version("dpkg")  # dpkg itself is always installed where dpkg-query is
-    assert longdocs.dpkg_version("no-such-package-yoso") is None
 
 
 def test_curriculum_stages():

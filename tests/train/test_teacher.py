@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from yoso_serve.model.train.pydocs import is_heldout, parse_page, topic_of
 from yoso_serve.model.train.teacher import BertTeacher, pool
 
 
@@ -74,19 +73,3 @@ def test_pool_mean_ignores_padding_and_cls_takes_first():
     assert pool(h, m, "cls").tolist() == [[1.0, 1.0]]
 
 
-def test_pydocs_sections_and_split(tmp_path):
-    page = tmp_path / "p.html"
-    page.write_text(
-        '<html><body><div class="sphinxsidebar"><p>nav</p></div><div class="body" role="main">'
-        '<section id="top"><h1>Title<a class="headerlink" href="#top">¶</a></h1><p>Intro  text.</p>'
-        '<script>var x = 1;</script>'
-        '<section id="sub"><h2>Sub</h2><p>Inner <code>code</code> words.</p><pre>a = 1\nb = 2</pre></section>'
-        '<p>After sub.</p></section></div><div class="footer">foot</div></body></html>')
-    secs = parse_page(page)
-    assert [(s.anchor, s.title) for s in secs] == [("top", "Title"), ("sub", "Sub")]
-    assert secs[0].text == "Title\nIntro text.\nAfter sub."
-    assert secs[1].text == "Sub\nInner code words.\na = 1 b = 2"
-    assert topic_of("library/json.html") == "library" and topic_of("about.html") == "misc"
-    picks = [is_heldout(f"library/m{i}.html") for i in range(400)]
-    assert picks == [is_heldout(f"library/m{i}.html") for i in range(400)]
-    assert 0.05 < sum(picks) / len(picks) < 0.15
