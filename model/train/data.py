@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,3 +258,18 @@ def pad_batch(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     if "labels" in items[0]:
         batch["labels"] = torch.stack([it["labels"] for it in items])
     return batch
+
+
+# A sentence ends at . ! or ? followed by space and a capital, digit, quote or bracket: the short texts of
+# longdoc and retrieval's sentence queries cut blocks here.
+SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
+
+
+def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), n), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+    return ids, mask

@@ -7,10 +7,10 @@
   teacher's windowed embedding (mean of its windowed token states), and seconds per
   document of each.
 * ``--labelled``: accuracy and F1 of the model's classification head.
-* ``--retrieval-data``: held-out documents (``longdocs.py`` rows): deep retrieval (a paragraph from a
-  document's second half → the document) for the student in one pass, the teacher truncated and the
-  teacher over averaged windows, with docs/s; and short retrieval (first sentence → rest of a
-  paragraph) for student and teacher (:mod:`.retrieval`).
+* ``--retrieval-data``: held-out documents (rows as recipes/yoso-minilm-l6-4096/corpus.py writes them):
+  deep retrieval (a paragraph from a document's second half → the document) for the student in one
+  pass, the teacher truncated and the teacher over averaged windows, with docs/s; and short retrieval
+  (first sentence → rest of a paragraph) for student and teacher (:mod:`.retrieval`).
 
 Results go to ``results.json`` and ``metrics.jsonl`` in ``--out`` and a markdown table on stdout.
 """
@@ -172,7 +172,7 @@ TABLES = ("agreement", "long_agreement", "deep_retrieval", "deep_margin", "short
 def retrieval_results(args: argparse.Namespace, model: EncoderModel, teacher: BertTeacher,
                       device: torch.device) -> dict:
     """The deep- and short-retrieval tables of ``--retrieval-data`` (see :mod:`.retrieval`)."""
-    from .longdoc import read_documents
+    from .longdoc_data import read_documents
 
     try:
         lo, hi = (int(x) for x in args.retrieval_tokens.split(","))

@@ -27,30 +27,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import json
-import math
 import random
-import re
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import Dataset
 
-from yoso_serve.model import EncoderModel, load_pretrained
-from yoso_serve.model.encoder import POSITION_OFFSET
-from yoso_serve.model.pieces import piece_means
+from yoso_serve.model import load_pretrained
 from yoso_serve.model.argtypes import bounded
+from yoso_serve.model.encoder import POSITION_OFFSET
 
 from .common import add_common_arguments, prepare_model, start, train_options
+from .data import pad
 from .distill import fit_student, parse_hashes, set_hash_seeds
-from .teacher import BertTeacher, pool
+from .longdoc_data import (DocCorpus, StepSlots, crop_length, draw_spans, hash_key, mine_neighbours,
+                           parse_curriculum, read_documents, step_documents)
+from .longdoc_loss import LongDocLoss
+from .teacher import BertTeacher
 from .trainer import Trainer
 
-# where one sentence ends and the next begins (the retrieval eval cuts its sentences here too)
-SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="BERT-family teacher of the short-text term, or `init`: the starting --model, frozen "
                         "(holds short texts where the student starts; for machines without the teacher's weights)")
     p.add_argument("--data", required=True, type=Path, nargs="+",
-                   help="document JSONL: {doc, source, blocks: [text, ...]} per line (longdocs.py writes it)")
+                   help="document JSONL: {doc, source, blocks: [text, ...]} per line "
+                        "(recipes/yoso-minilm-l6-4096/corpus.py writes it)")
     p.add_argument("--spans-per-doc", type=int, default=4)
     p.add_argument("--span-tokens", type=int, default=128, help="spans and short texts are cut to this")
     p.add_argument("--short-pairs", type=int, default=16, help="first-sentence → rest pairs per step")
@@ -117,342 +112,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "everything)")
     p.add_argument("--save-fp16", action="store_true", help="store model/ in fp16 (the bundled format)")
     add_common_arguments(p, lr=2e-5, batch_size=4, epochs=1, dropout=0.0)
-
-
-def parse_curriculum(text: str) -> list[tuple[int, float]]:
-    """``"1024:0.3,4096:1"`` → [(1024, 0.3), (4096, 1.0)]: increasing fractions, the last one 1."""
-    try:
-        stages = [(int(a), float(b)) for a, b in (item.split(":") for item in text.split(",") if item.strip())]
-    except ValueError:
-        raise ValueError(f"--curriculum must be LENGTH:FRACTION,..., got {text!r}") from None
-    fractions = [f for _, f in stages]
-    if not stages or fractions != sorted(fractions) or fractions[-1] != 1.0 or any(n < 16 for n, _ in stages):
-        raise ValueError(f"--curriculum needs lengths ≥ 16 and increasing fractions ending at 1, got {text!r}")
-    return stages
-
-
-def crop_length(stages: list[tuple[int, float]], step: int, total: int) -> int:
-    """The document length of the curriculum stage that ``step`` (of ``total``) is in."""
-    return next(n for n, until in stages if step < until * total or until == 1.0)
-
-
-class DocCorpus:
-    """Documents as token ids per block, grouped by source, and the short (first sentence, rest) pairs."""
-
-    def __init__(self, rows: list[dict], tokenizer, span_tokens: int) -> None:
-        self.tokenizer, self.span_tokens = tokenizer, span_tokens
-        self.blocks: list[list[str]] = [r["blocks"] for r in rows]
-        self.ids: list[list[list[int]]] = [tokenizer.encode(r["blocks"], add_special_tokens=False) for r in rows]
-        self.keys = [r["doc"] for r in rows]
-        by_source: dict[str, list[int]] = {}
-        for i, r in enumerate(rows):
-            by_source.setdefault(r["source"], []).append(i)
-        self.by_source = by_source  # in file order (the draws of existing runs depend on it)
-        self.in_key_order = {s: sorted(docs, key=lambda i: self.keys[i]) for s, docs in by_source.items()}
-        pairs = []
-        for blocks in self.blocks:
-            for text in blocks:
-                parts = SENTENCE_BREAK.split(text, maxsplit=1)
-                if len(parts) == 2 and len(parts[0].split()) >= 5 and len(parts[1].split()) >= 12:
-                    pairs.append((parts[0], parts[1]))
-        self.pairs = pairs
-
-    def source_weights(self, min_docs: int) -> dict[str, float]:
-        """Sampling weight per source ∝ √(documents): large sources lead without drowning the small ones."""
-        return {s: math.sqrt(len(d)) for s, d in sorted(self.by_source.items()) if len(d) >= min_docs}
-
-
-class StepSlots(Dataset):
-    """One item per micro-batch; what it holds is drawn in ``collate`` from the step's own RNG."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        return {"slot": i}
-
-
-def draw_spans(rng: random.Random, corpus: DocCorpus, doc: int, lo: int, hi: int, k: int,
-               where: list[tuple[int, int]] | None = None) -> list[list[int]]:
-    """Up to ``k`` distinct spans among the blocks inside token range [lo, hi) of ``doc``, each block
-    weighted by its token count (uniform over the document's length); a span is its block or, one time in
-    three, one of its sentences, cut to the span length. ``where``, if given, receives each span's block
-    as a token range relative to ``lo`` (the draws are the same with or without it)."""
-    starts, pos = [], 0
-    for ids in corpus.ids[doc]:
-        starts.append(pos)
-        pos += len(ids)
-    eligible = [b for b, s in enumerate(starts) if s >= lo and s + len(corpus.ids[doc][b]) <= hi
-                and len(corpus.ids[doc][b]) >= 8]
-    chosen: list[int] = []
-    while eligible and len(chosen) < k:
-        b = rng.choices(eligible, weights=[len(corpus.ids[doc][x]) for x in eligible])[0]
-        eligible.remove(b)
-        chosen.append(b)
-        if where is not None:
-            where.append((starts[b] - lo, starts[b] + len(corpus.ids[doc][b]) - lo))
-    room = corpus.span_tokens - 2
-    spans = []
-    for b in chosen:
-        ids = corpus.ids[doc][b]
-        sentences = [s for s in SENTENCE_BREAK.split(corpus.blocks[doc][b]) if len(s.split()) >= 6]
-        if len(sentences) > 1 and rng.random() < 1 / 3:
-            ids = corpus.tokenizer.encode([rng.choice(sentences)], add_special_tokens=False)[0]
-        if len(ids) > room:
-            s = rng.randrange(len(ids) - room + 1)
-            ids = ids[s:s + room]
-        spans.append(corpus.tokenizer.wrap(ids))
-    return spans
-
-
-def step_documents(rng: random.Random, corpus: DocCorpus, source: str, k: int, neighbourhood: int,
-                   mined: dict[int, list[int]] | None = None) -> list[int]:
-    """``k`` documents of ``source``: drawn from all of them, or with ``neighbourhood`` > 0 from that many
-    consecutive ones in key order (a window placed at random), so that they are near each other; with
-    ``mined`` (document → its nearest documents, :func:`mine_neighbours`), one document drawn from all and
-    the other k − 1 from its nearest."""
-    pool = corpus.by_source[source]
-    if mined is not None:
-        anchor = rng.choice(pool)
-        return [anchor, *rng.sample(mined[anchor], k - 1)]
-    if neighbourhood and len(pool) > neighbourhood:
-        start = rng.randrange(len(pool) - neighbourhood + 1)
-        pool = corpus.in_key_order[source][start:start + neighbourhood]
-    return rng.sample(pool, k)
-
-
-def mine_neighbours(corpus: DocCorpus, embed, *, k: int, tokens: int, pad_id: int,
-                    device: torch.device) -> dict[int, list[int]]:
-    """Each document's ``k`` nearest documents of its own source, by the cosine of ``embed`` (token ids,
-    mask → vectors; the teacher) over each document's first ``tokens`` tokens: its title and opening,
-    which say what it is about. These are the topics one-pass retrieval confuses, wherever they sit in
-    the source's key order (`arrays` and `functions-array`)."""
-    from .retrieval import batched  # retrieval imports this module
-
-    heads = [corpus.tokenizer.wrap([t for ids in doc for t in ids][:tokens - 2]) for doc in corpus.ids]
-    vecs = F.normalize(batched(embed, heads, pad_id=pad_id, token_budget=8192, device=device,
-                               desc="mining neighbours").float(), dim=-1)
-    out: dict[int, list[int]] = {}
-    for docs in corpus.by_source.values():
-        idx = torch.tensor(docs)
-        sim = vecs[idx] @ vecs[idx].T
-        sim.fill_diagonal_(-math.inf)
-        top = sim.topk(min(k, len(docs) - 1), dim=1).indices
-        for row, d in enumerate(docs):
-            out[d] = [docs[j] for j in top[row].tolist()]
-    return out
-
-
-def kernel_logits(spans: torch.Tensor, pieces: torch.Tensor, valid: torch.Tensor, beta: float) -> torch.Tensor:
-    """log of the kernel mean, mean over a document's valid pieces of exp(β (cos − 1)), of every span
-    (S, D; unit rows) against every document's pieces (C, K, D; unit rows, ``valid`` (C, K) marks real
-    ones): (S, C). A document without a valid piece scores -inf."""
-    sim = torch.einsum("sd,ckd->sck", spans, pieces)
-    total = (beta * (sim - 1.0)).masked_fill(~valid, float("-inf")).logsumexp(-1)
-    return total - valid.sum(-1).clamp_min(1).log()
-
-
-def pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), n), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s)
-        mask[i, :len(s)] = 1
-    return ids, mask
-
-
-class LongDocLoss(nn.Module):
-    """Student forward and the three losses; holds the student's encoder, the temperature and the queue."""
-
-    def __init__(self, student: EncoderModel, *, temperature: float, queue: int, weights: tuple[float, float],
-                 w_segment: float = 0.0, segment: int = 128, w_kernel: float = 0.0, kernel_beta: float = 20.0,
-                 kernel_temperature: float = 0.5, kernel_tokens: int = 64, max_tokens: int = 4096,
-                 w_own_windows: float = 0.0, cut_fixed: bool = False) -> None:
-        super().__init__()
-        self.w_own_windows, self.cut_fixed = w_own_windows, cut_fixed
-        self.student = student.encoder
-        self.pooling = student.config.pooling
-        self.w_short, self.w_distill = weights
-        if w_segment and student.config.pooling != "mean":
-            raise ValueError("--w-segment needs a mean-pooling student (segments are means of token states)")
-        self.w_segment, self.segment = w_segment, segment
-        if w_kernel and student.config.pooling != "mean":
-            raise ValueError("--w-kernel needs a mean-pooling student (its pieces are means of token states)")
-        self.w_kernel, self.kernel_beta, self.kernel_temperature = w_kernel, kernel_beta, kernel_temperature
-        self.kernel_tokens = kernel_tokens
-        self.log_scale = nn.Parameter(torch.tensor(math.log(1.0 / temperature)))
-        dim = student.config.hidden_size
-        self.register_buffer("queue", torch.zeros(queue, dim))
-        self.register_buffer("queue_keys", torch.full((queue,), -1, dtype=torch.long))
-        # with --w-kernel, the queued documents' unit piece vectors (empty otherwise)
-        k = -(-max_tokens // kernel_tokens) if w_kernel else 0
-        self.register_buffer("queue_pieces", torch.zeros(queue if w_kernel else 0, k, dim))
-        self.register_buffer("queue_piece_valid", torch.zeros(queue if w_kernel else 0, k, dtype=torch.bool))
-
-    def unit_pieces(self, hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each crop's unit --kernel-tokens piece vectors, padded to the queue's piece count, and which are real."""
-        _, means, counts = piece_means(hidden.detach(), mask, self.kernel_tokens)
-        room = self.queue_pieces.shape[1]
-        if means.shape[1] > room:
-            raise ValueError(f"a crop has {means.shape[1]} pieces of {self.kernel_tokens} tokens, more than {room}")
-        means = F.pad(F.normalize(means, dim=-1), (0, 0, 0, room - means.shape[1]))
-        return means, F.pad(counts > 0, (0, room - counts.shape[1]))
-
-    def kernel_loss(self, spans: torch.Tensor, docs: torch.Tensor, pieces: torch.Tensor, valid: torch.Tensor,
-                    scale: torch.Tensor, span_doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """KL(target ‖ student) over the candidate documents (rows of ``docs``, their pieces ``pieces``): the
-        target the softmax of the pieces' log kernel mean / --kernel-temperature. Returns the loss and, without
-        gradient, how often the target ranks a span's own document first."""
-        with torch.no_grad():
-            target = kernel_logits(spans.detach(), pieces, valid, self.kernel_beta) / self.kernel_temperature
-            target = target.log_softmax(-1)
-            top1 = target.argmax(-1).eq(span_doc).float().mean()
-        student = (scale * spans @ docs.T).log_softmax(-1)
-        return (target.exp() * (target - student)).sum(-1).mean(), top1
-
-    def embed(self, ids: torch.Tensor, mask: torch.Tensor, hashes: int) -> torch.Tensor:
-        return self.embed_states(ids, mask, hashes)[0]
-
-    def embed_states(self, ids: torch.Tensor, mask: torch.Tensor, hashes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.student(ids, mask, hashes=hashes).float()  # (B, N, D)
-        return F.normalize(pool(hidden, mask, self.pooling), dim=-1), hidden
-
-    def segment_loss(self, hidden: torch.Tensor, mask: torch.Tensor, spans: torch.Tensor, span_doc: torch.Tensor,
-                     span_lo: torch.Tensor, span_hi: torch.Tensor, scale: torch.Tensor,
-                     size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each span against every ``size``-token piece of the batch's crops (pieces cut from position 0,
-        as ``eval --segment`` cuts them); its positives are the pieces of its own document that overlap its
-        block [span_lo, span_hi) (sequence positions). Returns the multi-positive InfoNCE and, without
-        gradient, how often a span's best piece is a positive."""
-        _, means, counts = piece_means(hidden, mask, size)
-        b, k, d = means.shape
-        pieces = F.normalize(means, dim=-1).reshape(b * k, d)
-        start = torch.arange(k, device=hidden.device) * size
-        overlap = (start[None, :] < span_hi[:, None]) & (start[None, :] + size > span_lo[:, None])  # (S, k)
-        positive = torch.zeros(len(spans), b, k, dtype=torch.bool, device=hidden.device)
-        positive[torch.arange(len(spans), device=hidden.device), span_doc] = overlap
-        valid = (counts > 0).reshape(b * k)
-        positive = positive.reshape(len(spans), b * k) & valid
-        logits = (scale * spans @ pieces.T).masked_fill(~valid, -1e4)
-        loss = (logits.logsumexp(-1) - logits.masked_fill(~positive, -1e4).logsumexp(-1)).mean()
-        with torch.no_grad():
-            top1 = positive.gather(1, logits.argmax(-1, keepdim=True)).float().mean()
-        return loss, top1
-
-    def forward(self, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
-        docs, hidden = self.embed_states(batch["input_ids"], batch["attention_mask"], int(batch["doc_hashes"]))
-        short = self.embed(batch["short_ids"], batch["short_mask"], int(batch["query_hashes"]))  # (S + 2P, D)
-        n_spans, n_pairs = len(batch["span_doc"]), int(batch["n_pairs"])
-        spans, first, rest = short[:n_spans], short[n_spans:n_spans + n_pairs], short[n_spans + n_pairs:]
-        scale = self.log_scale.exp().clamp(max=100.0)
-        span_doc = batch["span_doc"]  # (S,) index of each span's document in the batch
-        logs: dict[str, float] = {}
-        # span → document: the batch's documents, then the queue (minus copies of this batch's documents)
-        stale = (self.queue_keys[None, :] == batch["doc_keys"][:, None]).any(0) | (self.queue_keys < 0)
-        queue = self.queue[~stale]
-        if self.w_kernel:
-            pieces, valid = self.unit_pieces(hidden, batch["attention_mask"])
-        if n_spans:
-            logits = scale * spans @ torch.cat([docs, queue]).T
-            if "cut_ids" in batch:  # a span's own document with its blocks cut out: the nearest negative
-                with torch.set_grad_enabled(torch.is_grad_enabled() and not self.cut_fixed):
-                    cuts = self.embed(batch["cut_ids"], batch["cut_mask"], int(batch["doc_hashes"]))
-                cut = scale * spans @ cuts.T
-                with torch.no_grad():  # how often a span prefers its whole document to the document without it
-                    own = batch["cut_doc"][None, :] == span_doc[:, None]
-                    own_cut = cut.masked_fill(~own, -math.inf).amax(-1)  # every span's document has its cut copy
-                    logs["cut_win"] = float((logits.gather(1, span_doc[:, None])[:, 0] > own_cut).float().mean())
-                logits = torch.cat([logits, cut], dim=1)
-            q2d = F.cross_entropy(logits, span_doc)
-            # document → span: each span against every span of the batch but its document's other spans
-            logits = scale * docs[span_doc] @ spans.T  # (S, S): row r is the document of span r
-            others = (span_doc[:, None] == span_doc[None, :]) & ~torch.eye(n_spans, dtype=torch.bool,
-                                                                          device=logits.device)
-            d2q = F.cross_entropy(logits.masked_fill(others, -1e4), torch.arange(n_spans, device=logits.device))
-            loss_long = (q2d + d2q) / 2
-        else:  # no block of the step's crops fits a span: the step trains on its short texts alone
-            loss_long = docs.sum() * 0.0
-        pair = scale * first @ rest.T
-        target = torch.arange(n_pairs, device=pair.device)
-        loss_short = (F.cross_entropy(pair, target) + F.cross_entropy(pair.T, target)) / 2
-        loss_distill = (1.0 - (short * F.normalize(batch["t_short"], dim=-1)).sum(-1)).mean()
-        loss = loss_long + self.w_short * loss_short + self.w_distill * loss_distill
-        if self.w_own_windows and "win_ids" in batch:
-            target = self.own_windows(batch["win_ids"], batch["win_mask"], batch["win_doc"], len(docs))
-            loss_own = (1.0 - (docs * target).sum(-1)).mean()
-            loss = loss + self.w_own_windows * loss_own
-            logs["own_windows_loss"] = float(loss_own.detach())
-        if self.w_kernel and n_spans:
-            loss_kernel, kernel_top1 = self.kernel_loss(
-                spans, torch.cat([docs, queue]), torch.cat([pieces, self.queue_pieces[~stale]]),
-                torch.cat([valid, self.queue_piece_valid[~stale]]), scale, span_doc)
-            loss = loss + self.w_kernel * loss_kernel
-            logs |= {"kernel_loss": float(loss_kernel.detach()), "kernel_top1": float(kernel_top1)}
-        self.push(docs.detach(), batch["doc_keys"], *((pieces, valid) if self.w_kernel else ()))
-        if self.w_segment and n_spans:
-            size = int(batch.get("segment_tokens", self.segment))
-            loss_segment, segment_top1 = self.segment_loss(hidden, batch["attention_mask"], spans, span_doc,
-                                                           batch["span_lo"], batch["span_hi"], scale, size)
-            loss = loss + self.w_segment * loss_segment
-            logs |= {"segment_loss": float(loss_segment.detach()), "segment_top1": float(segment_top1),
-                     "segment_tokens": size}
-        with torch.no_grad():
-            top1 = (spans @ docs.T).argmax(-1).eq(span_doc).float().mean() if n_spans else torch.zeros(())
-        return loss, {"long_loss": float(loss_long.detach()), "short_loss": float(loss_short.detach()),
-                      "distill_loss": float(loss_distill.detach()), "temperature": float(1.0 / scale.detach()),
-                      "span_top1": float(top1), **logs}
-
-    @torch.no_grad()
-    def own_windows(self, ids: torch.Tensor, mask: torch.Tensor, owner: torch.Tensor, n_docs: int) -> torch.Tensor:
-        """(n_docs, D) unit targets: the student's embeddings of the windows (each read alone and exact, as
-        ``auto`` serves a window under its crossover of 288 tokens), unit, summed per crop and normalised; no
-        gradient flows into them."""
-        vecs = self.embed(ids, mask, 0)
-        out = torch.zeros(n_docs, vecs.shape[1], device=vecs.device).index_add_(0, owner, vecs)
-        return F.normalize(out, dim=-1)
-
-    @torch.no_grad()
-    def push(self, docs: torch.Tensor, keys: torch.Tensor, pieces: torch.Tensor | None = None,
-             valid: torch.Tensor | None = None) -> None:
-        """FIFO: the newest documents enter at the front (with their pieces, under --w-kernel)."""
-        if not len(self.queue):
-            return
-        n = min(len(docs), len(self.queue))
-        self.queue.copy_(torch.cat([docs[:n], self.queue[:-n]]))
-        self.queue_keys.copy_(torch.cat([keys[:n], self.queue_keys[:-n]]))
-        if pieces is not None and len(self.queue_pieces):
-            self.queue_pieces.copy_(torch.cat([pieces[:n], self.queue_pieces[:-n]]))
-            self.queue_piece_valid.copy_(torch.cat([valid[:n], self.queue_piece_valid[:-n]]))
-
-
-def is_document(row) -> bool:
-    """A row of longdocs.py's JSONL: checked up front, as a bad row would otherwise fail mid-training."""
-    blocks = row.get("blocks") if isinstance(row, dict) else None
-    tokens = row.get("tokens", 0) if isinstance(row, dict) else None
-    return (isinstance(blocks, list) and bool(blocks) and all(isinstance(b, str) for b in blocks)
-            and isinstance(row.get("doc"), str) and isinstance(row.get("source"), str)
-            and isinstance(tokens, int) and not isinstance(tokens, bool))
-
-
-def read_documents(paths: list[Path], option: str = "--data") -> list[dict]:
-    rows = []
-    for path in paths:
-        if not path.is_file():
-            raise ValueError(f"{option}: {path} not found")
-        for n, line in enumerate(path.open(encoding="utf-8"), 1):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                row = None
-            if not is_document(row):
-                raise ValueError(f"{option}: {path}:{n}: not a document row "
-                                 f"{{doc: str, source: str, blocks: [str, ...], tokens: int}}")
-            rows.append(row)
-    return rows
 
 
 def run(args: argparse.Namespace) -> int:
@@ -614,6 +273,3 @@ class FrozenStart:
         return self.model.embed(input_ids, attention_mask, hashes=0)
 
 
-def hash_key(key: str) -> int:
-    """A stable 62-bit id of a document key (Python's hash() is salted per process)."""
-    return int.from_bytes(hashlib.sha1(key.encode("utf-8")).digest()[:8], "big") >> 2

@@ -27,7 +27,7 @@ from yoso_serve.model import EncoderModel
 from yoso_serve.model.hashes import AUTO_EXACT_BELOW, resolve_hashes
 from yoso_serve.model.pieces import piece_means
 
-from .longdoc import SENTENCE_BREAK, pad
+from .data import SENTENCE_BREAK, pad
 from .teacher import BertTeacher
 
 QUERY_WORDS = 20  # a query paragraph has at least this many words
