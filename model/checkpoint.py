@@ -71,23 +71,38 @@ def _read_config(path: Path) -> EncoderConfig:
         raise CheckpointError(f"invalid {config_file}: {exc}") from exc
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory, keys as stored (safetensors preferred over .bin)."""
+def weight_files(path: str | Path) -> list[Path]:
+    """The files a checkpoint directory's weights are read from, in the one order of precedence every reader
+    uses (the loader, the export cache, the recipe's comparisons): ``model.safetensors``, else the sharded
+    index and its shards, else ``pytorch_model.bin``. Raises CheckpointError when there are none."""
     path = Path(path)
-    try:
-        if (path / WEIGHTS_SAFETENSORS).is_file():
-            return load_file(str(path / WEIGHTS_SAFETENSORS))
-        if (path / WEIGHTS_INDEX).is_file():
+    if (path / WEIGHTS_SAFETENSORS).is_file():
+        return [path / WEIGHTS_SAFETENSORS]
+    if (path / WEIGHTS_INDEX).is_file():
+        try:
             index = json.loads((path / WEIGHTS_INDEX).read_text(encoding="utf-8"))
-            state: dict[str, torch.Tensor] = {}
-            for shard in sorted(set(index["weight_map"].values())):
-                state.update(load_file(str(path / shard)))
-            return state
-        if (path / WEIGHTS_BIN).is_file():
-            return torch.load(path / WEIGHTS_BIN, map_location="cpu", weights_only=True)
+            shards = sorted(set(index["weight_map"].values()))
+        except Exception as exc:  # JSON, a missing key or a wrong type all raise their own
+            raise CheckpointError(f"cannot read the weights in {path}: {type(exc).__name__}: {exc}") from exc
+        return [path / WEIGHTS_INDEX] + [path / shard for shard in shards]
+    if (path / WEIGHTS_BIN).is_file():
+        return [path / WEIGHTS_BIN]
+    raise CheckpointError(f"no weights in {path}: expected {WEIGHTS_SAFETENSORS}, {WEIGHTS_INDEX} or {WEIGHTS_BIN}")
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory, keys as stored, from :func:`weight_files`."""
+    files = weight_files(path)
+    try:
+        if files[0].name == WEIGHTS_BIN:
+            return torch.load(files[0], map_location="cpu", weights_only=True)
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            if file.name != WEIGHTS_INDEX:
+                state.update(load_file(str(file)))
+        return state
     except Exception as exc:  # safetensors, pickle and JSON all raise their own types
         raise CheckpointError(f"cannot read the weights in {path}: {type(exc).__name__}: {exc}") from exc
-    raise CheckpointError(f"no weights in {path}: expected {WEIGHTS_SAFETENSORS}, {WEIGHTS_INDEX} or {WEIGHTS_BIN}")
 
 
 def normalize_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import WEIGHTS_BIN, WEIGHTS_INDEX, WEIGHTS_SAFETENSORS, CheckpointError
+from .checkpoint import weight_files
 from .default import cache_root
 from .encoder_model import EncoderModel
 from .export import DEFAULT_OPSET, ONNX_FILE, export_onnx
@@ -36,16 +35,7 @@ def onnx_cache_dir() -> Path:
 
 def _checkpoint_files(checkpoint: Path) -> list[Path]:
     """config.json and the weight files ``load_pretrained`` reads (in the order it prefers them)."""
-    if (checkpoint / WEIGHTS_SAFETENSORS).is_file():
-        weights = [checkpoint / WEIGHTS_SAFETENSORS]
-    elif (checkpoint / WEIGHTS_INDEX).is_file():
-        index = json.loads((checkpoint / WEIGHTS_INDEX).read_text(encoding="utf-8"))
-        weights = [checkpoint / WEIGHTS_INDEX] + [checkpoint / s for s in sorted(set(index["weight_map"].values()))]
-    elif (checkpoint / WEIGHTS_BIN).is_file():
-        weights = [checkpoint / WEIGHTS_BIN]
-    else:
-        raise CheckpointError(f"no weights in {checkpoint}")
-    return [checkpoint / "config.json", *weights]
+    return [checkpoint / "config.json", *weight_files(checkpoint)]
 
 
 def export_key(checkpoint: str | Path, hashes: int, opset: int = DEFAULT_OPSET) -> str:

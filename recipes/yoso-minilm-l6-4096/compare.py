@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from yoso_serve.model.checkpoint import CheckpointError, weight_files
 from yoso_serve.model.train.retrieval import pooled_margin
 
 from evals import pooled
@@ -33,14 +34,16 @@ DEEP_TARGET = 0.05  # over the teacher's windows averaged, recall@1
 
 
 def model_key(model_dir: Path) -> str:
-    """A digest of the files that decide a model's vectors: its weights and its config.json (served settings
-    such as ``hash_int8`` live there). Which weight file is the model's is decided here: model.safetensors
-    (the model package's one weight-file rule should decide it)."""
+    """A digest of the files that decide a model's vectors: its config.json (served settings such as
+    ``hash_int8`` live there) and its weights, the files the model package's one rule says they are read from."""
     digest = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
-        path = model_dir / name
-        if not path.is_file():
-            raise ValueError(f"{model_dir}: no {name}; --model and --baseline take a saved model directory")
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"{model_dir}: no config.json; --model and --baseline take a saved model directory")
+    try:
+        files = [model_dir / "config.json", *weight_files(model_dir)]
+    except CheckpointError as exc:
+        raise ValueError(f"{exc}; --model and --baseline take a saved model directory") from None
+    for path in files:
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)

@@ -106,7 +106,7 @@ def test_invalid_config_values(saved):
 
 
 def test_shape_mismatch_names_key_and_shapes(saved):
-    _, path = saved
+    model, path = saved
     state = load_file(str(path / "model.safetensors"))
     state["yoso.encoder.layer.0.attention.self.key.weight"] = torch.zeros(32, 31)
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -117,7 +117,7 @@ def test_shape_mismatch_names_key_and_shapes(saved):
 
 
 def test_missing_and_unexpected_weights(saved):
-    _, path = saved
+    model, path = saved
     state = load_file(str(path / "model.safetensors"))
     del state["yoso.encoder.layer.1.output.dense.bias"]
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -151,3 +151,32 @@ def test_config_json_round_trip(tmp_path):
         EncoderConfig(conv_window=4)
     with pytest.raises(ValueError, match="attention_backend"):
         EncoderConfig(attention_backend="tpu")
+
+
+def test_weight_files_is_the_one_precedence_and_the_export_key_follows_it(saved, tmp_path):
+    from yoso_serve.model.checkpoint import WEIGHTS_BIN, WEIGHTS_INDEX, WEIGHTS_SAFETENSORS, weight_files
+    from yoso_serve.model.export_cache import export_key
+
+    model, path = saved
+    state = load_file(str(path / WEIGHTS_SAFETENSORS))
+    torch.save(state, path / WEIGHTS_BIN)
+    keys = sorted(state)
+    half = len(keys) // 2
+    for name, part in (("a.safetensors", keys[:half]), ("b.safetensors", keys[half:])):
+        save_file({k: state[k] for k in part}, str(path / name))
+    (path / WEIGHTS_INDEX).write_text(json.dumps({"weight_map": {k: "a.safetensors" if i < half else "b.safetensors"
+                                                                 for i, k in enumerate(keys)}}))
+    assert weight_files(path) == [path / WEIGHTS_SAFETENSORS]  # all three there: the single file wins
+    before = export_key(path, 8)
+    (path / WEIGHTS_BIN).write_bytes(b"not read")  # a file that does not win does not move the key
+    assert export_key(path, 8) == before
+    (path / WEIGHTS_SAFETENSORS).unlink()
+    assert weight_files(path) == [path / WEIGHTS_INDEX, path / "a.safetensors", path / "b.safetensors"]
+    assert export_key(path, 8) != before
+    reloaded = load_pretrained(path).state_dict()  # the loader reads the shards
+    assert all(torch.equal(v, reloaded[k]) for k, v in model.state_dict().items())
+    (path / WEIGHTS_INDEX).unlink()
+    assert weight_files(path) == [path / WEIGHTS_BIN]
+    (path / WEIGHTS_BIN).unlink()
+    with pytest.raises(CheckpointError, match="no weights in .*expected model.safetensors"):
+        weight_files(path)
