@@ -18,13 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from yoso_serve.model import EncoderModel, convert_bert_to_yoso, load_pretrained, save_pretrained
-from yoso_serve.model.encoder import YosoSelfAttention, layer_seed, yoso_conv
+from yoso_serve.model import EncoderModel, convert_bert_to_yoso, load_pretrained
+from yoso_serve.model.encoder import YosoSelfAttention, yoso_conv
 from yoso_serve.model.argtypes import bounded
 from yoso_serve.model.hashes import MAX_HASHES
 
 from .common import Session, add_common_arguments, prepare_model, read_texts, start, train_options
 from .data import TokenizedDataset, pad_batch
+from .student import fit_student, parse_hashes, set_hash_seeds
 from .teacher import BertTeacher, pool
 from .trainer import Trainer
 
@@ -62,16 +63,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-fp16", action="store_true", help="store model/ in fp16 (the bundled format)")
     # no dropout by default: the teacher's targets are deterministic, noise only blurs the fit
     add_common_arguments(p, lr=5e-5, batch_size=16, epochs=1, dropout=0.0)
-
-
-def parse_hashes(text: str, option: str = "--train-hashes") -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{option} must be comma-separated ints, got {text!r}") from None
-    if not values or any(v < 0 or v > MAX_HASHES for v in values):
-        raise ValueError(f"{option} must be ints in [0, {MAX_HASHES}], got {text!r}")
-    return values
 
 
 class DistillLoss(nn.Module):
@@ -170,13 +161,6 @@ def teacher_targets(teacher: BertTeacher, input_ids: torch.Tensor, mask: torch.T
     return {"t_hidden": out * mask[..., None], **targets}
 
 
-def set_hash_seeds(module: nn.Module, base: int) -> None:
-    """Point every YOSO attention layer at the projections of hash seed ``base``."""
-    layers = [m for m in module.modules() if isinstance(m, YosoSelfAttention)]
-    for i, layer in enumerate(layers):
-        layer.seed = layer_seed(base, i)
-
-
 def add_conv(student: EncoderModel, window: int) -> None:
     """Add a zero-initialised YOSO-C convolution of ``window`` to every attention layer of ``student``
     (a no-op at the start: the student's outputs are unchanged until the kernels train)."""
@@ -192,13 +176,6 @@ def add_conv(student: EncoderModel, window: int) -> None:
             ref = m.query.weight
             m.conv = yoso_conv(m.heads, window).to(device=ref.device, dtype=ref.dtype)
             nn.init.zeros_(m.conv.weight)
-
-
-def export_student(student: EncoderModel, session: Session, *, fp16: bool) -> None:
-    """Write ``student`` to the run's ``model/`` with the served hash projections (rank 0 only)."""
-    if session.dist.is_main:
-        set_hash_seeds(student, student.config.hash_seed)
-        save_pretrained(student, session.run.path / "model", dtype=torch.float16 if fp16 else None)
 
 
 def init_student(args: argparse.Namespace, session: Session) -> Path:
@@ -261,15 +238,3 @@ def run(args: argparse.Namespace) -> int:
                       options=options, run=session.run, dist_=session.dist, device=session.device)
     return fit_student(trainer, student, session, args, "distill", lambda: f"{len(ids)} texts, {trainer.total_steps} "
                        f"steps, hashes {train_hashes}, world size {session.dist.world_size}")
-
-
-def fit_student(trainer: Trainer, student: EncoderModel, session: Session, args: argparse.Namespace,
-                command: str, summary) -> int:
-    """Resume if asked, say ``summary()``, train, exporting the student to ``model/`` at every checkpoint."""
-    trainer.on_save = lambda: export_student(student, session, fp16=args.save_fp16)
-    if args.resume:
-        trainer.resume()
-    session.say(f"{command}: {summary()}")
-    stop = trainer.fit()
-    session.say(f"{command}: stopped ({stop}) at step {trainer.step}; model in {session.run.path / 'model'}")
-    return 0

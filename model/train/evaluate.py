@@ -21,7 +21,6 @@ import argparse
 import hashlib
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +32,12 @@ from yoso_serve.model.argtypes import bounded
 
 from . import retrieval
 from .common import MAX_SEED, read_texts, start
-from .data import label_targets, pad_batch
-from .distill import parse_hashes
+from .data import label_targets
+from .embedders import embed_all
+from .student import parse_hashes
 from .metrics import multi_label_metrics, pairwise_upper, single_label_metrics, spearman
 from .teacher import BertTeacher, pool
 
-Embed = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,27 +82,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path, help="run directory for results.json and metrics.jsonl")
     p.add_argument("--seed", type=bounded(int, 0, MAX_SEED), default=0)
     p.add_argument("--device", default="auto")
-
-
-@torch.no_grad()
-def embed_all(embed: Embed, ids: list[torch.Tensor], *, pad_id: int, batch_size: int,
-              device: torch.device, desc: str | None = None) -> tuple[torch.Tensor, float]:
-    """Embed every sequence (batched by length, returned in input order) → ((n, D) fp32, seconds).
-
-    ``desc`` shows a progress bar (texts/s) under that name."""
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    out: list[torch.Tensor | None] = [None] * len(ids)
-    start_t = time.perf_counter()
-    bar = tqdm(total=len(ids), desc=desc, unit="text", disable=desc is None, dynamic_ncols=True)
-    for s in range(0, len(order), batch_size):
-        chunk = order[s:s + batch_size]
-        batch = pad_batch([{"input_ids": ids[i]} for i in chunk], pad_id)
-        vecs = embed(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float().cpu()
-        for i, v in zip(chunk, vecs):
-            out[i] = v
-        bar.update(len(chunk))
-    bar.close()
-    return torch.stack(out), time.perf_counter() - start_t
 
 
 def agreement(student: EncoderModel, teacher: BertTeacher, ids: list[torch.Tensor], hashes: list[int], *,

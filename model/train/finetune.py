@@ -27,7 +27,7 @@ from yoso_serve.model.hashes import MAX_HASHES
 
 from .common import add_common_arguments, prepare_model, read_texts, start, train_options
 from .data import TokenizedDataset, label_targets, pad_batch, split_train_val
-from .evaluate import embed_all
+from .embedders import embed_all
 from .metrics import multi_label_metrics, single_label_metrics
 from .teacher import BertTeacher
 from .trainer import Trainer

@@ -1,6 +1,5 @@
 """The documents of ``yoso-train longdoc`` and what a step draws from them: the curriculum of crop lengths,
-the corpus of tokenised blocks, the spans and short texts a step takes, documents near in key order, and
-neighbours mined by an embedding. Shared by the command and the evaluations (read_documents)."""
+the corpus of tokenised blocks, the spans and short texts a step takes, and documents near in key order. Shared by the command and the evaluations (read_documents)."""
 
 from __future__ import annotations
 
@@ -10,12 +9,9 @@ import math
 import random
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from .data import SENTENCE_BREAK
-from .retrieval import batched
 
 
 def parse_curriculum(text: str) -> list[tuple[int, float]]:
@@ -107,41 +103,14 @@ def draw_spans(rng: random.Random, corpus: DocCorpus, doc: int, lo: int, hi: int
     return spans
 
 
-def step_documents(rng: random.Random, corpus: DocCorpus, source: str, k: int, neighbourhood: int,
-                   mined: dict[int, list[int]] | None = None) -> list[int]:
+def step_documents(rng: random.Random, corpus: DocCorpus, source: str, k: int, neighbourhood: int) -> list[int]:
     """``k`` documents of ``source``: drawn from all of them, or with ``neighbourhood`` > 0 from that many
-    consecutive ones in key order (a window placed at random), so that they are near each other; with
-    ``mined`` (document → its nearest documents, :func:`mine_neighbours`), one document drawn from all and
-    the other k − 1 from its nearest."""
+    consecutive ones in key order (a window placed at random), so that they are near each other."""
     pool = corpus.by_source[source]
-    if mined is not None:
-        anchor = rng.choice(pool)
-        return [anchor, *rng.sample(mined[anchor], k - 1)]
     if neighbourhood and len(pool) > neighbourhood:
         start = rng.randrange(len(pool) - neighbourhood + 1)
         pool = corpus.in_key_order[source][start:start + neighbourhood]
     return rng.sample(pool, k)
-
-
-def mine_neighbours(corpus: DocCorpus, embed, *, k: int, tokens: int, pad_id: int,
-                    device: torch.device) -> dict[int, list[int]]:
-    """Each document's ``k`` nearest documents of its own source, by the cosine of ``embed`` (token ids,
-    mask → vectors; the teacher) over each document's first ``tokens`` tokens: its title and opening,
-    which say what it is about. These are the topics one-pass retrieval confuses, wherever they sit in
-    the source's key order (`arrays` and `functions-array`)."""
-
-    heads = [corpus.tokenizer.wrap([t for ids in doc for t in ids][:tokens - 2]) for doc in corpus.ids]
-    vecs = F.normalize(batched(embed, heads, pad_id=pad_id, token_budget=8192, device=device,
-                               desc="mining neighbours").float(), dim=-1)
-    out: dict[int, list[int]] = {}
-    for docs in corpus.by_source.values():
-        idx = torch.tensor(docs)
-        sim = vecs[idx] @ vecs[idx].T
-        sim.fill_diagonal_(-math.inf)
-        top = sim.topk(min(k, len(docs) - 1), dim=1).indices
-        for row, d in enumerate(docs):
-            out[d] = [docs[j] for j in top[row].tolist()]
-    return out
 
 
 def is_document(row) -> bool:

@@ -12,9 +12,8 @@ import torch.nn.functional as F
 
 from yoso_serve.model.train import retrieval
 from yoso_serve.model.train.cli import main
-from yoso_serve.model.train.longdoc_data import (DocCorpus, crop_length, draw_spans, mine_neighbours,
-                                                 parse_curriculum, step_documents)
-from yoso_serve.model.train.longdoc_loss import LongDocLoss, kernel_logits
+from yoso_serve.model.train.longdoc_data import DocCorpus, crop_length, draw_spans, parse_curriculum, step_documents
+from yoso_serve.model.train.longdoc_loss import Distill, LongDocLoss, ShortPairs, SpanDocument, segment_loss
 from yoso_serve.model.train.runtime import read_events
 
 TOPICS = [("alpha", "beta", "gamma"), ("python", "module", "function"), ("file", "path", "error"),
@@ -269,7 +268,7 @@ def test_a_step_whose_crops_hold_no_span_trains_on_its_short_texts(tiny_yoso):
     from yoso_serve.model import load_pretrained
 
     student = load_pretrained(tiny_yoso)
-    loss_fn = LongDocLoss(student, temperature=0.05, queue=4, weights=(1.0, 0.5))
+    loss_fn = LongDocLoss(student, temperature=0.05, queue=4, terms=[SpanDocument(), ShortPairs(1.0), Distill(0.5)])
     g = torch.Generator().manual_seed(0)
     vocab = student.config.vocab_size
     docs, short = torch.randint(5, vocab, (2, 40), generator=g), torch.randint(5, vocab, (4, 12), generator=g)
@@ -282,6 +281,35 @@ def test_a_step_whose_crops_hold_no_span_trains_on_its_short_texts(tiny_yoso):
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in loss_fn.student.parameters())
     assert (loss_fn.queue_keys >= 0).sum() == 2  # the step's documents still enter the queue
+
+
+def test_the_loss_is_the_weighted_sum_of_its_terms_each_logged_by_name(tiny_yoso):
+    """A term is a name, a weight and a call on the step: the loss sums weight × term in order, and each
+    term's value is logged as <name>_loss; a term added to the list needs nothing else."""
+    from yoso_serve.model import load_pretrained
+
+    class Norm:  # the mean norm of the documents' token states: a term the command does not have
+        name, weight = "norm", 0.25
+
+        def __call__(self, step):
+            return step.hidden.norm(dim=-1).mean(), {"norm_tokens": int(step.hidden.shape[1])}
+
+    student = load_pretrained(tiny_yoso)
+    g = torch.Generator().manual_seed(0)
+    vocab = student.config.vocab_size
+    docs, short = torch.randint(5, vocab, (2, 40), generator=g), torch.randint(5, vocab, (6, 12), generator=g)
+    batch = {"input_ids": docs, "attention_mask": torch.ones_like(docs), "short_ids": short,
+             "short_mask": torch.ones_like(short), "span_doc": torch.tensor([0, 1]), "n_pairs": torch.tensor(2),
+             "doc_keys": torch.tensor([11, 12]), "doc_hashes": torch.tensor(0), "query_hashes": torch.tensor(0),
+             "t_short": torch.randn(6, student.config.hidden_size, generator=g)}
+    base = LongDocLoss(student, temperature=0.05, queue=0, terms=[SpanDocument(), Distill(0.5)])
+    loss, logs = base(batch)
+    assert set(logs) >= {"long_loss", "distill_loss", "temperature", "span_top1"} and "short_loss" not in logs
+    assert torch.isclose(loss, torch.tensor(logs["long_loss"] + 0.5 * logs["distill_loss"]))
+    more = LongDocLoss(student, temperature=0.05, queue=0, terms=[SpanDocument(), Distill(0.5), Norm()])
+    loss2, logs2 = more(batch)
+    assert logs2["norm_tokens"] == 40 and logs2["norm_loss"] > 0
+    assert torch.isclose(loss2, loss + 0.25 * logs2["norm_loss"])
 
 
 def test_span_ranges_locate_each_span_block_in_the_crop_and_leave_the_draws_alone(tiny_yoso):
@@ -302,9 +330,7 @@ def test_span_ranges_locate_each_span_block_in_the_crop_and_leave_the_draws_alon
 def test_segment_loss_takes_the_pieces_of_the_span_block_as_positives(tiny_yoso):
     from yoso_serve.model import load_pretrained
 
-    student = load_pretrained(tiny_yoso)
-    loss_fn = LongDocLoss(student, temperature=0.05, queue=0, weights=(1.0, 0.5), w_segment=1.0)
-    d = student.config.hidden_size
+    d = load_pretrained(tiny_yoso).config.hidden_size
     basis = torch.eye(d)
     # two documents of 10 tokens (the second padded after 6): pieces [0,4) [4,8) [8,10) and [0,4) [4,6);
     # each piece's tokens point along their own axis, so a span along an axis finds exactly that piece
@@ -318,16 +344,16 @@ def test_segment_loss_takes_the_pieces_of_the_span_block_as_positives(tiny_yoso)
     # span 0: block [5, 9) of doc 0 overlaps pieces 1 and 2; it points at piece 2 → a positive
     # span 1: block [0, 3) of doc 1 is piece 0 of doc 1 (axis 3); it points at doc 0's piece 0 → wrong
     spans = torch.stack([basis[2], basis[0]])
-    loss, top1 = loss_fn.segment_loss(hidden, mask, spans, torch.tensor([0, 1]), torch.tensor([5, 0]),
-                                      torch.tensor([9, 3]), scale, 4)
+    loss, top1 = segment_loss(hidden, mask, spans, torch.tensor([0, 1]), torch.tensor([5, 0]),
+                             torch.tensor([9, 3]), scale, 4)
     assert top1 == 0.5
     right = torch.stack([basis[1], basis[3]])
-    good, top1 = loss_fn.segment_loss(hidden, mask, right, torch.tensor([0, 1]), torch.tensor([5, 0]),
-                                      torch.tensor([9, 3]), scale, 4)
+    good, top1 = segment_loss(hidden, mask, right, torch.tensor([0, 1]), torch.tensor([5, 0]),
+                             torch.tensor([9, 3]), scale, 4)
     assert top1 == 1.0 and good < 0.01 < loss
     # the padded third piece of doc 1 is never a candidate: a span at its (empty) place is no positive
-    none, _ = loss_fn.segment_loss(hidden, mask, basis[3:4], torch.tensor([1]), torch.tensor([8]),
-                                   torch.tensor([10]), scale, 4)
+    none, _ = segment_loss(hidden, mask, basis[3:4], torch.tensor([1]), torch.tensor([8]),
+                          torch.tensor([10]), scale, 4)
     assert none > 100
 
 
@@ -340,55 +366,6 @@ def test_longdoc_trains_its_segments_with_w_segment(tiny_bert, tiny_yoso, docs_f
     assert {"segment_loss", "segment_top1"} <= set(rows[0])
     assert {r["segment_tokens"] for r in rows} == {16, 32}  # one of the sizes drawn per step, both used
     assert mean(rows[-6:], "segment_loss") < mean(rows[:6], "segment_loss")
-
-
-def test_kernel_logits_are_the_log_mean_kernel_over_each_document_s_real_pieces():
-    g = torch.Generator().manual_seed(1)
-    spans = torch.nn.functional.normalize(torch.randn(3, 8, generator=g), dim=-1)
-    pieces = torch.nn.functional.normalize(torch.randn(4, 5, 8, generator=g), dim=-1)
-    valid = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
-    got = kernel_logits(spans, pieces, valid, 7.0)
-    for s in range(3):
-        for c in range(3):
-            real = pieces[c][valid[c]]
-            want = torch.exp(7.0 * (real @ spans[s] - 1.0)).mean().log()
-            assert torch.allclose(got[s, c], want, atol=1e-5)
-    assert torch.isinf(got[:, 3]).all() and (got[:, 3] < 0).all()  # no piece: never a target
-
-
-def test_kernel_loss_pulls_the_one_vector_ranking_towards_the_pieces(tiny_yoso):
-    # document 0's mean points away from the span, but one of its pieces is the span: the kernel mean ranks
-    # it first and the loss pulls its one vector (a free parameter here) towards the span
-    from yoso_serve.model import load_pretrained
-
-    student = load_pretrained(tiny_yoso)
-    loss_fn = LongDocLoss(student, temperature=0.05, queue=0, weights=(1.0, 0.5), w_kernel=1.0, kernel_tokens=4,
-                          max_tokens=8)
-    d = student.config.hidden_size
-    basis = torch.eye(d)
-    pieces = torch.stack([torch.stack([basis[0], basis[1]]), torch.stack([basis[2], basis[3]])])
-    valid = torch.ones(2, 2, dtype=torch.bool)
-    docs = torch.stack([basis[1], (basis[0] + basis[2]) / 2 ** 0.5]).requires_grad_()
-    span = basis[0:1]
-    loss, top1 = loss_fn.kernel_loss(span, docs, pieces, valid, torch.tensor(20.0), torch.tensor([0]))
-    assert top1 == 1.0 and loss > 1.0
-    loss.backward()
-    assert docs.grad[0, 0] < 0 < docs.grad[1, 0]  # descent raises doc 0's cosine with the span, lowers doc 1's
-    same, _ = loss_fn.kernel_loss(span, torch.stack([basis[0], basis[2]]), pieces, valid, torch.tensor(20.0 / 0.5),
-                                  torch.tensor([0]))
-    assert same < 1e-3  # the target is reached when the one vectors score as the pieces do (β 20 = 40 × 0.5)
-
-
-def test_longdoc_with_w_kernel_queues_the_pieces_and_learns(tiny_bert, tiny_yoso, docs_file, tmp_path):
-    out = tmp_path / "kernel"
-    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "16", "--w-kernel", "1",
-                             "--kernel-tokens", "16")) == 0
-    rows = read_events(out, "train")
-    assert {"kernel_loss", "kernel_top1"} <= set(rows[0])
-    assert all(r["kernel_loss"] >= 0 for r in rows)
-    state = torch.load(out / "checkpoints" / "last.pt", weights_only=False)["model"]
-    assert state["queue_pieces"].shape == (8, -(-120 // 16), 32)
-    assert state["queue_piece_valid"].any(-1).sum() == 8  # a full queue: every entry has pieces
 
 
 def test_longdoc_resume_reproduces_an_uninterrupted_run(tiny_bert, tiny_yoso, docs_file, tmp_path):
@@ -421,44 +398,6 @@ def test_a_neighbourhood_draws_documents_that_are_near_in_key_order(tiny_yoso):
     # a neighbourhood as large as the source is the whole source, drawn as without one
     a, b = random.Random(1), random.Random(1)
     assert step_documents(a, corpus, "even", 3, 20) == step_documents(b, corpus, "even", 3, 0)
-
-
-def test_mined_neighbours_are_the_nearest_openings_of_the_same_source(tiny_yoso):
-    from yoso_serve.model import load_pretrained
-
-    rows = topic_docs(36)
-    corpus = DocCorpus(rows, load_pretrained(tiny_yoso).tokenizer, 32)
-    topic_of = {i: i % len(TOPICS) for i in range(len(rows))}  # topic_docs cycles through TOPICS
-    tok = corpus.tokenizer
-    opening = {tuple(tok.wrap([t for ids in corpus.ids[d] for t in ids][:62])): topic_of[d] for d in topic_of}
-
-    def embed(ids, mask):  # a stand-in teacher that knows each opening's topic
-        rows = [opening[tuple(row[m.bool()].tolist())] for row, m in zip(ids, mask)]
-        return torch.nn.functional.one_hot(torch.tensor(rows), len(TOPICS)).float() + 1e-3
-
-    mined = mine_neighbours(corpus, embed, k=2, tokens=64, pad_id=tok.pad_id, device=torch.device("cpu"))
-    assert sorted(mined) == list(range(len(rows)))
-    for d, near in mined.items():
-        source = rows[d]["source"]
-        assert len(near) == 2 and d not in near and all(rows[n]["source"] == source for n in near)
-        assert all(topic_of[n] == topic_of[d] for n in near)  # each has 5 of its topic in its source
-    rng = random.Random(0)
-    for _ in range(20):
-        drawn = step_documents(rng, corpus, "even", 3, 0, mined)
-        assert set(drawn[1:]) == set(mined[drawn[0]])
-
-
-def test_longdoc_trains_on_mined_neighbours(tiny_bert, tiny_yoso, docs_file, tmp_path, capsys):
-    out = tmp_path / "mined"
-    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "2", "--mined-neighbours", "3",
-                             "--mine-tokens", "32")) == 0
-    assert len(read_events(out, "train")) == 2
-    assert "mining neighbours" in capsys.readouterr().err
-    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "bad", "--mined-neighbours", "2")) == 2
-    assert "--mined-neighbours must be 0 or >= --batch-size - 1 (3)" in capsys.readouterr().err
-    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "bad2", "--mined-neighbours", "3",
-                             "--mine-tokens", "2")) == 2
-    assert "--mine-tokens must be >= 8, got 2" in capsys.readouterr().err
 
 
 def test_the_temperature_learns_at_its_own_rate(tiny_bert, tiny_yoso, docs_file, tmp_path):
@@ -558,152 +497,3 @@ def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, w
     assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
                  "--window", "16", "--query-draws", "0", "--out", str(tmp_path / "bad0")]) == 2
     assert "--query-draws must be >= 1, got 0" in capsys.readouterr().err
-
-
-def test_cut_negatives_read_each_crop_without_its_span_blocks(tiny_bert, tiny_yoso, docs_file, tmp_path):
-    """--cut-negatives: every crop is read a second time with its spans' blocks cut out, a negative of its own
-    spans; the log says how often a span prefers its whole document to the cut one."""
-    out = tmp_path / "cut"
-    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "16", "--cut-negatives")) == 0
-    rows = read_events(out, "train")
-    wins = [r["cut_win"] for r in rows if "cut_win" in r]
-    assert len(wins) >= 12 and all(0.0 <= w <= 1.0 for w in wins)
-    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
-    assert mean(rows[-4:], "long_loss") < mean(rows[:4], "long_loss")
-
-
-def test_cut_fixed_reads_the_copies_without_gradient(tiny_bert, tiny_yoso, docs_file, tmp_path, monkeypatch, capsys):
-    """--cut-fixed: the cut copies are read with gradient off (a fixed negative, no activations kept), the
-    crops and the short texts with it on; without --cut-negatives the option is refused by name."""
-    from yoso_serve.model.train import longdoc
-
-    graded = {}
-    real = longdoc.LongDocLoss.embed
-
-    def embed(self, ids, mask, hashes):
-        graded.setdefault(int(ids.shape[0]), set()).add(torch.is_grad_enabled())
-        return real(self, ids, mask, hashes)
-
-    monkeypatch.setattr(longdoc.LongDocLoss, "embed", embed)
-    seen = []
-    forward = longdoc.LongDocLoss.forward
-    monkeypatch.setattr(longdoc.LongDocLoss, "forward", lambda self, b: seen.append(b) or forward(self, b))
-    out = tmp_path / "fixed"
-    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "4", "--cut-negatives",
-                             "--cut-fixed")) == 0
-    cut_rows = {int(b["cut_ids"].shape[0]) for b in seen}
-    short_rows = {int(b["short_ids"].shape[0]) for b in seen}
-    assert cut_rows.isdisjoint(short_rows)  # the two reads are told apart by their row counts
-    assert all(graded[n] == {False} for n in cut_rows)
-    assert all(graded[n] == {True} for n in short_rows)
-    assert any("cut_win" in r for r in read_events(out, "train"))
-    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "bad", "--cut-fixed")) == 2
-    assert "--cut-fixed fixes the copies of --cut-negatives" in capsys.readouterr().err
-
-
-def test_a_cut_copy_is_its_crop_less_exactly_the_span_blocks(tiny_bert, tiny_yoso, docs_file, tmp_path, monkeypatch):
-    from yoso_serve.model.train import longdoc
-
-    seen = []
-    real = longdoc.LongDocLoss.forward
-    monkeypatch.setattr(longdoc.LongDocLoss, "forward", lambda self, batch: seen.append(batch) or real(self, batch))
-    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "cut", "--max-steps", "3",
-                             "--cut-negatives")) == 0
-    for batch in seen:
-        doc_len, cut_len = batch["attention_mask"].sum(1), batch["cut_mask"].sum(1)
-        for i, d in enumerate(batch["cut_doc"].tolist()):
-            blocks = [(lo, hi) for lo, hi, s in zip(batch["span_lo"].tolist(), batch["span_hi"].tolist(),
-                                                     batch["span_doc"].tolist()) if s == d]
-            cut = set().union(*(range(lo, hi) for lo, hi in blocks))
-            assert cut_len[i] == doc_len[d] - len(cut)
-            keep = [p for p in range(int(doc_len[d])) if p not in cut]
-            assert batch["cut_ids"][i, : int(cut_len[i])].tolist() == batch["input_ids"][d, keep].tolist()
-
-
-def test_own_windows_target_is_the_student_chunking_each_crop(tiny_bert, tiny_yoso, docs_file, tmp_path,
-                                                               monkeypatch):
-    """--w-own-windows: a crop's windows are its content cut as the eval's chunker cuts a document, and the
-    target is the student reading each alone (exact), unit, averaged: the eval's own-windows row."""
-    from yoso_serve.model.train import longdoc
-
-    seen, targets = [], []
-    real, real_own = longdoc.LongDocLoss.forward, longdoc.LongDocLoss.own_windows
-    monkeypatch.setattr(longdoc.LongDocLoss, "forward", lambda self, batch: seen.append(batch) or real(self, batch))
-    monkeypatch.setattr(longdoc.LongDocLoss, "own_windows",
-                        lambda self, *a: targets.append(real_own(self, *a)) or targets[-1])
-    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "own", "--max-steps", "2",
-                             "--w-own-windows", "1", "--own-window-tokens", "16")) == 0
-    assert len(seen) == len(targets) == 2
-    batch = seen[0]
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    crops = [ids[d, 1:int(mask[d].sum()) - 1].tolist() for d in range(len(ids))]
-    wins = [batch["win_ids"][w, :int(batch["win_mask"][w].sum())].tolist() for w in range(len(batch["win_ids"]))]
-    owner = batch["win_doc"].tolist()
-    assert owner == sorted(owner) and set(owner) == set(range(len(crops)))
-    assert all(len(w) <= 16 for w in wins)
-    for d, crop in enumerate(crops):  # the windows of a crop, specials stripped, are the crop in order
-        assert [t for w, o in zip(wins, owner) if o == d for t in w[1:-1]] == crop
-    # the target against the student embedding each window alone (no padding), from the first step's weights
-    from yoso_serve.model import load_pretrained
-
-    model = load_pretrained(tiny_yoso, device=torch.device("cpu")).eval()
-    with torch.no_grad():
-        want = torch.zeros(len(crops), targets[0].shape[1])
-        for w, d in zip(wins, owner):
-            want[d] += F.normalize(model.embed(torch.tensor([w]), torch.ones(1, len(w), dtype=torch.long),
-                                               hashes=0)[0], dim=-1)
-    torch.testing.assert_close(targets[0], F.normalize(want, dim=-1), atol=1e-5, rtol=1e-4)
-    assert not targets[0].requires_grad
-
-
-def test_longdoc_with_w_own_windows_pulls_the_one_pass_to_its_windows(tiny_bert, tiny_yoso, docs_file, tmp_path):
-    """The same run (seed, crops) with the pull and with a negligible one: the pull brings the one pass nearer
-    its own windows; without the option nothing is computed or logged."""
-    def run(name, weight):
-        out = tmp_path / name
-        assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "12", "--curriculum", "120:1",
-                                 "--w-own-windows", weight, "--own-window-tokens", "16")) == 0
-        rows = read_events(out, "train")
-        return sum(r["own_windows_loss"] for r in rows[-4:]) / 4, rows[0]["own_windows_loss"]
-
-    pulled, start = run("pulled", "8")
-    free, free_start = run("free", "1e-9")
-    assert start == pytest.approx(free_start)  # the same first step: same crops, same weights
-    assert pulled < 0.5 * free, (pulled, free)
-    plain = tmp_path / "plain"
-    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, plain, "--max-steps", "2")) == 0
-    assert "own_windows_loss" not in read_events(plain, "train")[0]
-
-
-def test_train_positions_from_trains_only_the_later_positions(tiny_bert, tiny_yoso, docs_file, tmp_path):
-    """`--train-positions-from N`: every weight but the position rows N and up stays bit for bit (weight decay
-    included), those rows move, and so an input of at most N tokens embeds exactly as the starting model's
-    at every hash count, while a longer one does not."""
-    from yoso_serve.model import load_pretrained
-    from yoso_serve.model.encoder import POSITION_OFFSET
-    from yoso_serve.model.train.longdoc import POSITION_WEIGHT as table
-
-    first, out = 40, tmp_path / "positions"
-    assert main(longdoc_argv(tiny_bert, tiny_yoso, docs_file, out, "--max-steps", "6",
-                             "--train-positions-from", str(first))) == 0
-    before, after = load_pretrained(tiny_yoso), load_pretrained(out / "model")
-    old, new = before.encoder.state_dict(), after.encoder.state_dict()
-    assert all(torch.equal(old[k], new[k]) for k in old if k != table)
-    assert torch.equal(old[table][:first + POSITION_OFFSET], new[table][:first + POSITION_OFFSET])
-    assert not torch.equal(old[table][first + POSITION_OFFSET:], new[table][first + POSITION_OFFSET:])
-    text = " ".join(["alpha beta gamma loop"] * 40)
-    short = torch.tensor([before.tokenizer.encode([text], max_length=first)[0]])
-    long = torch.tensor([before.tokenizer.encode([text], max_length=120)[0]])
-    assert short.shape[1] == first and long.shape[1] == 120
-    for hashes in (0, 8):
-        assert torch.equal(before.embed(short, torch.ones_like(short), hashes=hashes),
-                           after.embed(short, torch.ones_like(short), hashes=hashes))
-    assert not torch.equal(before.embed(long, torch.ones_like(long), hashes=0),
-                           after.embed(long, torch.ones_like(long), hashes=0))
-
-
-def test_train_positions_from_refuses_a_row_the_model_lacks(tiny_bert, tiny_yoso, docs_file, tmp_path, capsys):
-    argv = longdoc_argv(tiny_bert, tiny_yoso, docs_file, tmp_path / "bad", "--max-steps", "2",
-                        "--train-positions-from", "128")
-    assert main(argv) != 0
-    assert "--train-positions-from must be in 1..127" in capsys.readouterr().err
