@@ -127,7 +127,7 @@ class Engine:
         self.scheduler = BatchScheduler(
             self._forward, max_batch_tokens=s.max_batch_tokens, max_batch_requests=s.max_batch_requests,
             max_wait_ms=s.max_wait_ms, max_queue_tokens=s.max_queue_tokens, metrics=self.metrics,
-            max_padding_tokens=s.padding_limit(self.device))
+            max_padding_tokens=s.padding_limit(self.device), nice=s.forward_nice)
         self.scheduler.start()
 
     def begin_drain(self) -> None:

@@ -22,6 +22,7 @@ from .admission import Admission, AdmissionPolicy, Running
 from .batching import plan_batch
 from .errors import ClientGone, DeadlineExceeded, InternalError, NotReady, Overloaded, ServiceError
 from .metrics import ServiceMetrics
+from .threads import lower_priority
 
 log = logging.getLogger("yoso_serve.service")
 
@@ -97,8 +98,9 @@ class BatchScheduler:
 
     def __init__(self, run_batch: Callable[[list[WorkItem]], list], *, max_batch_tokens: int,
                  max_batch_requests: int, max_wait_ms: float, max_queue_tokens: int,
-                 metrics: ServiceMetrics, max_padding_tokens: int | None = None) -> None:
+                 metrics: ServiceMetrics, max_padding_tokens: int | None = None, nice: int = 0) -> None:
         self._run_batch = run_batch
+        self.nice = nice
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_requests = max_batch_requests
         self.max_padding_tokens = max_padding_tokens
@@ -235,6 +237,7 @@ class BatchScheduler:
                 return self._take(plan.indices), []
 
     def _loop(self) -> None:
+        lower_priority(self.nice)  # before the first forward: the OpenMP team it starts inherits it
         while True:
             step = self._next_batch()
             if step is None:

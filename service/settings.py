@@ -77,6 +77,11 @@ class ServeSettings(BaseSettings):
                                    "the x-request-timeout header, never more.")
     threads: int | None = Field(None, ge=1, le=MAX_THREADS, description="torch CPU threads. Default: torch's "
                                 "choice (the number of cores).")
+    forward_nice: int = Field(10, ge=0, le=19, description="How much lower than the event loop the forward's "
+                              "threads run (Linux nice, added to the process's): the forward fills every core, and "
+                              "at equal priority the event loop waited its turn for a core, so refusals and "
+                              "health checks took hundreds of ms under load (docs/benchmarks.md). The forward "
+                              "still gets every core the event loop does not use. 0 = equal priority.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when "
                                                    "available, else cpu.")
     runtime: Literal["auto", "torch", "hybrid", "onnx"] = Field(

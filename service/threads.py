@@ -1,10 +1,32 @@
-"""A call on a thread of its own, awaited from the event loop."""
+"""Threads of the service: a call on a thread of its own, awaited from the event loop, and the lower
+priority of the threads that run the forward."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import sys
 import threading
 from typing import Callable
+
+log = logging.getLogger("yoso_serve.service")
+
+
+def lower_priority(nice: int) -> int | None:
+    """Raise the calling thread's nice value by ``nice`` (Linux: a thread's priority is its own, and the
+    threads it starts inherit it, the forward's OpenMP team among them). Returns the new value, or None
+    where the platform has none or refuses (logged; the thread runs on at its priority)."""
+    if not nice or sys.platform != "linux":
+        return None
+    tid = threading.get_native_id()
+    try:
+        value = min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+        os.setpriority(os.PRIO_PROCESS, tid, value)
+    except OSError as exc:
+        log.warning("could not lower the forward thread's priority by %d: %s", nice, exc)
+        return None
+    return value
 
 
 async def in_own_thread(fn: Callable[[], object], name: str) -> object:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shlex
 import shutil
@@ -275,3 +276,33 @@ def test_overload_is_refused_at_once_with_429_not_left_to_504(yoso_server):
     assert statuses.count(504) <= 4, statuses
     counted = re.search(r'^yoso_rejections_total\{reason="predicted_wait"\} (\S+)$', metrics, flags=re.M)
     assert float(counted.group(1)) == len(refused)
+
+
+def _thread_nices(pid: int) -> dict[int, int]:
+    """Each thread of process ``pid``: its nice value (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        out[int(tid)] = int(stat[stat.rindex(")") + 2:].split()[16])
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="per-thread priorities are read from Linux's /proc")
+def test_the_forward_runs_below_the_event_loop_and_its_openmp_team_with_it(yoso_server):
+    """--forward-nice (10 by default): the batcher thread lowers its own priority before its first forward,
+    so the OpenMP worker it starts inherits it; the event loop (the main thread) and everything else keep
+    the process's priority. --forward-nice 0 leaves every thread there."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    for flags, lowered in ((), min(19, base + 10)), (("--forward-nice", "0"), base):
+        proc, url = yoso_server.start("--threads", "2", *flags)
+        try:
+            r = httpx.post(f"{url}/embed", json={"inputs": ["a long input " * 300, "short"]}, timeout=60)
+            assert r.status_code == 200, r.text
+            nices = _thread_nices(proc.pid)
+        finally:
+            yoso_server.stop(proc)
+        assert nices[proc.pid] == base, nices
+        if lowered == base:
+            assert set(nices.values()) == {base}, nices
+        else:  # the batcher and its one OpenMP worker (2 threads), nothing else
+            assert sorted(n for n in nices.values() if n != base) == [lowered, lowered], nices
