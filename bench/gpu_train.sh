@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 16's lever that two CPU cores lack: stage nine's long-document training (docs/training.md,
-# item 10) for many more steps on a lent GPU, in ONE call of the device tool.
+# Issue 16's lever that two CPU cores lack: stage nine's long-document training (recipes/yoso-minilm-l6-4096/
+# LOG.md, "Left open") for many more steps on a lent GPU, in ONE call of the device tool.
 #
 #   bench/gpu_train.sh --kit             # here: the training documents, xz-compressed, -> .kit/
 #   bench/gpu_train.sh                   # there: run(command="bash bench/gpu_train.sh", carry=[".kit"])
