@@ -13,6 +13,7 @@ default server, 504 share, 429 latency, accepted throughput against an unsaturat
     .venv/bin/python bench/load.py --quick          # fewer requests per cell
     .venv/bin/python bench/load.py --soak 300       # plus a 5-minute RSS soak
     .venv/bin/python bench/load.py --overload --runs 3 --seconds 60
+    .venv/bin/python bench/load.py --overload --runs 3 --seconds 60 --before-args="--forward-nice 0"
 
 Prints a markdown table and writes bench/out/load.png (load_overload.png with --overload).
 """
@@ -291,6 +292,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="overload: runs of (baseline, overload)")
     p.add_argument("--overload-clients", type=int, default=64)
     p.add_argument("--baseline-clients", type=int, default=2, help="overload: the unsaturated run's clients")
+    p.add_argument("--before-args", default="", help="overload: also drive a server started with these flags "
+                   "(e.g. '--forward-nice 0'), side by side in each run")
     args = p.parse_args()
     if args.quick:
         args.requests, args.seconds = 64, 20.0
@@ -301,7 +304,7 @@ def main() -> None:
         words = vocab_words(load_pretrained(default_model_dir()).tokenizer)
         _overload.run(words, start_server, stop_server, runs=args.runs, seconds=args.seconds,
                       overload_clients=args.overload_clients, baseline_clients=args.baseline_clients,
-                      out_path=OUT / "load_overload.png")
+                      out_path=OUT / "load_overload.png", before_args=args.before_args.split())
         return
     levels = [int(c) for c in args.concurrency.split(",")]
     lengths = [int(n) for n in args.lengths.split(",")]
