@@ -61,13 +61,13 @@ class RayEmbedder:
     """One Ray Data worker: the server's engine, loaded once; each batch of staged documents becomes one
     part in ``DIR`` and a summary row per document (its tokens, or why it failed) for the driver."""
 
-    def __init__(self, settings: dict, pieces: int | None, digest: str, out: str) -> None:
+    def __init__(self, settings: dict, pieces: int | None, digest: str, out: str, token: str) -> None:
         self.settings = job_settings(settings)
         found = model_digest(model_dir(self.settings))
         if found != digest:
             raise CorpusError(f"this worker's model ({model_dir(self.settings)}) has digest {found}, the job's "
                               f"{digest}: every worker must see the same model at the same path")
-        self.store = OutputStore(out)
+        self.store, self.token = OutputStore(out), token
         self.embedder = DocumentEmbedder(self.settings, pieces)
         self.embedder.start()
 
@@ -79,7 +79,7 @@ class RayEmbedder:
         results = self.embedder.embed_all(docs, IN_FLIGHT_PER_WORKER)
         rows = [r for r in results if not isinstance(r, BadRow)]
         if rows:
-            self.store.write_part(rows, self.embedder.pieces is not None)
+            self.store.write_part(rows, self.embedder.pieces is not None, self.token)
         bad = [r if isinstance(r, BadRow) else None for r in results]
         return pa.table({
             "id": [d.id for d in docs], "where": [d.where for d in docs],
@@ -90,8 +90,9 @@ class RayEmbedder:
 
 
 def _stage(rows: Iterable[Document | BadRow], admission: Admission, store: OutputStore, report: RunReport,
-           total: int, shard_rows: int) -> int:
-    """Write the admitted documents as shards of ``shard_rows`` in ``DIR/_staging``; returns how many."""
+           total: int, shard_rows: int) -> tuple[int, int]:
+    """Write the admitted documents as shards of ``shard_rows`` in ``DIR/_staging``; returns (documents,
+    shards)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -125,7 +126,7 @@ def _stage(rows: Iterable[Document | BadRow], admission: Admission, store: Outpu
             flush()
     finally:
         report.close_bar()
-    return staged
+    return staged, shards
 
 
 def _start_ray(ray, job: RayJob) -> bool:
@@ -151,17 +152,22 @@ def run_ray(job: RayJob, rows: Iterable[Document | BadRow], admission: Admission
     """Embed every admitted document of ``rows`` into parts of ``store`` on Ray Data."""
     ray = import_ray()
     try:
-        staged = _stage(rows, admission, store, report, total, job.part_rows)
+        staged, shards = _stage(rows, admission, store, report, total, job.part_rows)
         if staged == 0:
             return
         started = _start_ray(ray, job)
         try:
-            ds = ray.data.read_parquet(str(store.staging))
+            # One block per shard, so that every worker gets work however small the corpus: Ray Data's newer
+            # Parquet reader (datasource v2, the default of 2.60) packs small files into one read task and
+            # ignores override_num_blocks; the first reader honours it.
+            ray.data.DataContext.get_current().use_datasource_v2 = False
+            ds = ray.data.read_parquet(str(store.staging), override_num_blocks=shards)
             gpus = {"num_gpus": job.gpus_per_worker} if job.gpus_per_worker > 0 else {}
             ds = ds.map_batches(RayEmbedder, batch_size=job.part_rows, batch_format="pyarrow",
                                 compute=ray.data.ActorPoolStrategy(size=job.workers), num_cpus=job.threads_per_worker,
                                 fn_constructor_kwargs={"settings": job.worker_settings(), "pieces": job.pieces,
-                                                       "digest": job.digest, "out": str(store.path)}, **gpus)
+                                                       "digest": job.digest, "out": str(store.path),
+                                                       "token": store.token}, **gpus)
             report.open_bar(staged, f"embedding on {job.workers} Ray worker{'s' * (job.workers > 1)}")
             for summary in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
                 for row in summary.to_pylist():

@@ -7,20 +7,28 @@ Layout of ``DIR``::
     parts/part-*.parquet  one row per document; a part is written under a hidden temporary name and
                           renamed when complete, so a kill never leaves a partial part visible
     _staging/             the Ray engine's checked input of the current run (deleted when it ends)
+    .run, .lock           the token of the run that owns the folder, and the lock that fences it
 
 A part's name is a digest of the ids it holds, in order: the same batch written twice (a Ray task
 retried after its worker died) lands on the same name, never beside it. A rerun reads the ``id``
 column of every part and embeds only the ids not there yet. A folder written with another model or
 other settings is refused (the message names what differs) unless ``--overwrite``.
+
+Every run claims the folder with a new token (under an exclusive lock) before it reads what is written,
+and a part is renamed into place only under a shared lock while the token is still its run's. A worker
+that outlives its run (its driver killed, Ray still finishing a task) therefore cannot add a part after a
+rerun has counted the parts: its rename is refused and the rerun embeds those documents once, itself.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +38,8 @@ from .sources import CorpusError, id_key
 MANIFEST = "manifest.json"
 PARTS = "parts"
 STAGING = "_staging"
+RUN = ".run"
+LOCK = ".lock"
 FORMAT = 1
 
 
@@ -79,14 +89,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic(final: Path, write) -> None:
-    """``write(tmp)`` to a hidden temporary name beside ``final``, flushed to disk, then renamed."""
+def _atomic(final: Path, write, commit=None) -> None:
+    """``write(tmp)`` to a hidden temporary name beside ``final``, flushed to disk, then renamed; ``commit``,
+    if given, is a context manager the rename runs inside (it may raise to refuse it)."""
     tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex}")
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, final)
+        if commit is None:
+            os.replace(tmp, final)
+        else:
+            with commit():
+                os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(final.parent)
@@ -100,6 +115,34 @@ class OutputStore:
         self.parts = self.path / PARTS
         self.manifest_path = self.path / MANIFEST
         self.staging = self.path / STAGING
+        self.token: str | None = None  # this run's, once prepare() claimed the folder
+
+    @contextmanager
+    def _locked(self, exclusive: bool):
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)  # drops the lock
+
+    def _claim(self) -> str:
+        """Make this run the folder's owner: from now on only its parts are renamed into place."""
+        token = uuid.uuid4().hex
+        with self._locked(exclusive=True):
+            _atomic(self.path / RUN, lambda tmp: tmp.write_text(token, encoding="utf-8"))
+        return token
+
+    @contextmanager
+    def _owned(self, token: str):
+        with self._locked(exclusive=False):
+            try:
+                current = (self.path / RUN).read_text(encoding="utf-8")
+            except OSError:
+                current = None
+            if current != token:
+                raise CorpusError(f"another run of yoso-embed took over {self.path}; this one stops writing")
+            yield
 
     # --- a run's start ---------------------------------------------------------------------
     def prepare(self, settings: dict, overwrite: bool) -> dict | None:
@@ -110,7 +153,6 @@ class OutputStore:
             raise CorpusError(f"--out {self.path} is a file; give a folder")
         earlier = self.read_manifest()
         if overwrite:
-            self.clear()
             earlier = None
         elif earlier is not None:
             differ = [k for k in sorted(set(settings) | set(earlier.get("settings", {})))
@@ -121,11 +163,15 @@ class OutputStore:
                 raise CorpusError(f"--out {self.path} holds vectors made with other settings ({said}); rerun "
                                   "with the same model and settings to finish it, choose another --out, or pass "
                                   "--overwrite to replace it")
-        elif self.path.is_dir() and any(p for p in self.path.iterdir()
-                                        if not (p.name == PARTS and p.is_dir() and not any(p.iterdir()))):
+        elif self.path.is_dir() and any(p.name not in (RUN, LOCK, STAGING, PARTS) for p in self.path.iterdir()) \
+                or self.part_files():
             raise CorpusError(f"--out {self.path} is not empty and has no {MANIFEST} (yoso-embed did not write "
                               "it); choose an empty or new folder, or pass --overwrite to write into it anyway")
         self.parts.mkdir(parents=True, exist_ok=True)
+        self.token = self._claim()
+        if overwrite:
+            self.clear()
+            self.parts.mkdir()
         for stale in self.parts.glob(".*.tmp-*"):
             stale.unlink(missing_ok=True)
         shutil.rmtree(self.staging, ignore_errors=True)
@@ -180,8 +226,9 @@ class OutputStore:
             rows += len(ids)
         return keys, rows, repeated
 
-    def write_part(self, rows: list[dict], pieces: bool) -> Path:
-        """Write ``rows`` as one part, visible only once complete; its name is a digest of its ids."""
+    def write_part(self, rows: list[dict], pieces: bool, token: str | None = None) -> Path:
+        """Write ``rows`` as one part, visible only once complete and only while ``token`` (default: this
+        store's, from prepare) still owns the folder; its name is a digest of its ids."""
         import pyarrow.parquet as pq
 
         digest = hashlib.blake2b(digest_size=10)
@@ -189,5 +236,6 @@ class OutputStore:
             digest.update(r["id"].encode("utf-8") + b"\0")
         final = self.parts / f"part-{digest.hexdigest()}.parquet"
         table = rows_table(rows, pieces)
-        _atomic(final, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+        token = token or self.token
+        _atomic(final, lambda tmp: pq.write_table(table, tmp, compression="zstd"), lambda: self._owned(token))
         return final

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -125,6 +126,18 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid``: a job and all it started (Ray puts its workers in process
+    groups of their own, but in the driver's session), as a crash of the machine would."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[3]) == sid:
+                    os.kill(int(entry), signal.SIGKILL)
+            except (OSError, ValueError):
+                continue
+
+
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -160,7 +173,7 @@ def corpus_kit():
     kit = Kit()
     for name, fn in [("texts", texts), ("write_jsonl", write_jsonl), ("read_output", read_output), ("f32", f32),
                      ("same_bits", same_bits), ("manifest", manifest), ("server_answers", server_answers),
-                     ("descendants", descendants), ("cmdline", cmdline), ("start_embed", start_embed),
+                     ("descendants", descendants), ("cmdline", cmdline), ("kill_session", kill_session), ("start_embed", start_embed),
                      ("wait_for_parts", wait_for_parts)]:
         setattr(kit, name, staticmethod(fn))
     kit.TINY_SETTINGS = TINY_SETTINGS

@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 import signal
 
+import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
-from yoso_serve.service.corpus import embed_corpus
+from yoso_serve.service.corpus import CorpusError, embed_corpus
+from yoso_serve.service.corpus.store import OutputStore
 
 N_DOCS = 1500
 
@@ -61,3 +64,22 @@ def test_killed_job_rerun_finishes_exactly_once_with_clean_vectors(tmp_path, tin
     for doc_id, row in want.items():
         assert k.same_bits(got[doc_id]["vector"], row["vector"]) and got[doc_id]["hashes"] == row["hashes"], doc_id
     assert not list((out / "parts").glob(".*"))  # no temporary file left behind
+
+
+def test_a_run_that_lost_the_folder_to_a_rerun_cannot_add_parts(tmp_path):
+    """A worker that outlives its killed run (Ray finishing a task) must not add a part after the rerun has
+    counted what is written: the rerun claimed the folder, so the old run's rename is refused."""
+    def rows(*ids):
+        return [{"id": i, "vector": np.ones(4, np.float32), "tokens": 3, "hashes": "0"} for i in ids]
+
+    old = OutputStore(tmp_path / "out")
+    old.prepare({"model_digest": "m"}, overwrite=False)
+    old.write_manifest({"format": 1, "settings": {"model_digest": "m"}})
+    old.write_part(rows("a"), pieces=False)
+    new = OutputStore(tmp_path / "out")
+    new.prepare({"model_digest": "m"}, overwrite=False)
+    with pytest.raises(CorpusError, match="another run of yoso-embed took over"):
+        old.write_part(rows("b"), pieces=False)
+    new.write_part(rows("b"), pieces=False)
+    assert sorted(pq.read_table(p).column("id")[0].as_py() for p in new.part_files()) == ["a", "b"]
+    assert not list(new.parts.glob(".*"))  # the refused part's temporary file is gone
