@@ -76,6 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     except CorpusError as exc:
         print(f"yoso-embed: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"yoso-embed: interrupted; what is in {args.out}/parts is complete: run the same command again to "
+              "finish", file=sys.stderr)
+        sys.exit(130)
     c = manifest["counts"]
     print(f"yoso-embed: {c['documents']} documents in {args.out} ({c['embedded']} embedded now, {c['already_done']} "
           f"already there), {c['bad']} bad rows skipped; manifest: {args.out}/manifest.json", file=sys.stderr)

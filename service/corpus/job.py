@@ -58,6 +58,21 @@ def _check_options(engine: str, workers: int, threads_per_worker: int | None, gp
                                   "--device cuda)")
 
 
+def _ray_settings(given: dict, gpus_per_worker: float):
+    """The workers' settings, checked on the driver: their device is decided by ``--gpus-per-worker``, and a
+    driver without a GPU checks CUDA settings as the workers will run them, less what only a GPU can check
+    (the workers' own settings check that, where the GPU is)."""
+    device = "cuda" if gpus_per_worker > 0 else "cpu"
+    if given.get("device", device) != device:
+        raise CorpusError(f"--device {given['device']}: on the Ray engine the workers' device follows "
+                          f"--gpus-per-worker ({gpus_per_worker} gives {device})")
+    if device == "cpu":
+        return job_settings({**given, "device": "cpu"})
+    checked = {k: v for k, v in given.items() if k not in ("device", "dtype", "exact_kernel")}
+    return job_settings({**checked, "device": "cpu"}).model_copy(update={
+        "device": device, "dtype": given.get("dtype", "auto"), "exact_kernel": given.get("exact_kernel", "auto")})
+
+
 def embed_corpus(inputs: Sequence[str | os.PathLike], out: str | os.PathLike, *, model: str | os.PathLike | None = None,
                  pieces: int | None = None, hashes: int | str | None = None, id_field: str = "id",
                  text_field: str = "text", engine: str = "local", ray_address: str | None = None, workers: int = 1,
@@ -73,11 +88,12 @@ def embed_corpus(inputs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
         given["model"] = Path(model)
     if hashes is not None:
         given["hashes"] = hashes
-    if engine == "ray":
-        threads_per_worker = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
-        given.setdefault("device", "cuda" if gpus_per_worker > 0 else "cpu")
     given["threads"] = threads_per_worker
-    settings = job_settings(given)
+    if engine == "ray":
+        given["threads"] = threads_per_worker = threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+        settings = _ray_settings(given, gpus_per_worker)
+    else:
+        settings = job_settings(given)
     sources = plan_sources(inputs)
     path = model_dir(settings)
     fingerprint = {"model_digest": model_digest(path), "pieces": pieces, "id_field": id_field,

@@ -131,3 +131,16 @@ def test_cli_errors_exit_2_with_a_message(tmp_path, tiny_model, corpus_kit):
         cli = subprocess.run([*k.EMBED, *args, "--out", str(tmp_path / "o"), "--model", str(tiny_model)],
                              capture_output=True, text=True, timeout=120)
         assert cli.returncode == 2 and message in cli.stderr and "Traceback" not in cli.stderr, (args, cli.stderr)
+
+
+def test_gpu_workers_settings_are_resolved_on_a_driver_without_a_gpu():
+    """A CPU-only driver plans CUDA workers: their device and dtype are what the workers will run (the
+    fingerprint a rerun must match), not the driver's."""
+    from yoso_serve.service.corpus.job import _ray_settings
+    from yoso_serve.service.corpus.work import resolved_settings
+
+    gpu = resolved_settings(_ray_settings({"threads": 1}, 1))
+    assert gpu["device"] == "cuda" and gpu["dtype"] == "float16"
+    assert resolved_settings(_ray_settings({"threads": 1}, 0))["device"] == "cpu"
+    with pytest.raises(CorpusError, match="follows --gpus-per-worker"):
+        _ray_settings({"device": "cpu"}, 1)
