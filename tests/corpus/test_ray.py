@@ -47,8 +47,11 @@ def test_ray_vectors_are_the_local_engines_and_embeds(tmp_path, tiny_model, corp
                         + [b"{broken", {"id": "d3", "text": "a duplicate"}])
     local, ray = tmp_path / "local", tmp_path / "ray"
     embed_corpus([src], local, model=tiny_model, pieces=16, threads_per_worker=1, progress=False, **k.TINY_SETTINGS)
-    m = embed_corpus([src], ray, model=tiny_model, pieces=16, engine="ray", workers=2, threads_per_worker=1,
-                     part_rows=4, progress=False, **k.TINY_SETTINGS)
+    job = k.start_embed("--input", str(src), "--out", str(ray), "--pieces", "16",
+                        *_flags(tiny_model, k, "--part-rows", "4"))  # a process of its own: Ray stays out of pytest's
+    _, stderr = job.communicate(timeout=300)
+    assert job.returncode == 0, stderr
+    m = k.manifest(ray)
     assert m["state"] == "complete" and m["counts"]["documents"] == 30 and m["counts"]["parts"] == 8
     assert {(b["kind"], b["where"]) for b in m["bad_rows"]} == {("invalid_json", f"{src}:31"),
                                                                 ("duplicate_id", f"{src}:32")}
