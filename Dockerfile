@@ -1,9 +1,15 @@
-# syntax=docker/dockerfile:1
 # yoso-serve image. GPU (default): CUDA runtime base, the CUDA build of torch, kernels compiled
 # for sm_80/86/89/90 in a CUDA devel stage. CPU: the same steps on Debian bookworm-slim.
 #   docker build -t yoso-serve:gpu .                       docker run --gpus all -p 8080:8080 yoso-serve:gpu
 #   docker build -t yoso-serve:cpu --build-arg FLAVOR=cpu .  docker run -p 8080:8080 yoso-serve:cpu
-# The install logic lives in deploy/install.sh, which CI runs outside Docker.
+# The install logic lives in deploy/install.sh, which CI runs outside Docker; tests/deploy/test_docker_engine.py
+# builds the CPU flavor and runs it on a real engine.
+# Needs BuildKit (Docker 23+, or DOCKER_BUILDKIT=1 on 20.10) and no registry beyond the bases: there is no
+# `# syntax=` line, so the engine's own Dockerfile frontend runs (a syntax line would pull one).
+# pip sources other than PyPI (a mirror, a wheel folder served over HTTP, credentials) come in as a
+# pip.conf secret, and the CA bundle that a TLS-intercepting proxy needs as pip-ca (pip.conf then says
+# `cert = /run/secrets/pip-ca`): no layer keeps them and no cache key includes them.
+#   docker build --secret id=pip.conf,src=$HOME/.config/pip/pip.conf [--secret id=pip-ca,src=CA.pem] ...
 # torch 2.13's PyPI build is CUDA 13, so nvcc must be 13.x (needs NVIDIA driver >= 580).
 # Builder and runtime share one OS per flavor, so the venv's python3 has the same path in both.
 # GPU: Ubuntu 24.04 (python3 3.12; 22.04's 3.10 is too old for transformers 5, a dependency of the
@@ -39,8 +45,14 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/yoso/venv
+# torch first, in a layer of its own (the largest), which a change to the code leaves cached.
+COPY deploy/install.sh deploy/requirements.lock.txt /src/deploy/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    --mount=type=secret,id=pip.conf,target=/etc/pip.conf --mount=type=secret,id=pip-ca \
+    TORCH_INDEX_URL="${TORCH_INDEX_URL}" bash /src/deploy/install.sh "--${FLAVOR}" --torch-only --python /opt/yoso/venv/bin/python /src
 COPY . /src
 RUN --mount=type=cache,target=/root/.cache/pip \
+    --mount=type=secret,id=pip.conf,target=/etc/pip.conf --mount=type=secret,id=pip-ca \
     TORCH_INDEX_URL="${TORCH_INDEX_URL}" bash /src/deploy/install.sh "--${FLAVOR}" --python /opt/yoso/venv/bin/python /src
 
 # hadolint ignore=DL3006
