@@ -58,6 +58,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 # hadolint ignore=DL3006
 FROM runtime-${FLAVOR} AS runtime
 ARG TORCH_CUDA_ARCH_LIST
+# No compiler in this stage (the kernels were built above): TORCH_DONT_CHECK_COMPILER_ABI keeps torch's
+# loader from looking for one, and warning that it found none, at every start.
 ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/yoso/venv/bin:$PATH \
     CUDA_HOME=/usr/local/cuda \
@@ -69,9 +71,10 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PYTHONSAFEPATH=1 \
     HOME=/home/yoso \
+    TORCH_DONT_CHECK_COMPILER_ABI=1 \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
-# libgomp1: the C++ extension's OpenMP runtime. No compiler here: the kernels were built above.
+# libgomp1: the C++ extension's OpenMP runtime.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 libgomp1 \
  && rm -rf /var/lib/apt/lists/* \

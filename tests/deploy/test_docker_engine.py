@@ -176,6 +176,8 @@ def debian_base(docker: Docker, tag: str) -> str:
     """Tag ``tag`` (debian:<codename>-slim) from a debootstrap minbase, unless the engine has it. Returns how."""
     if docker("image", "inspect", tag, check=False).returncode == 0:
         return "cached"
+    if docker("pull", tag, check=False, timeout=600).returncode == 0:  # where a registry answers
+        return "pulled"
     debootstrap = shutil.which("debootstrap")
     if debootstrap is None:
         pytest.fail(f"{tag} is not on the engine and debootstrap is missing: bash deploy/install-system-deps.sh")
@@ -289,7 +291,7 @@ def image(kit, docker, tmp_path_factory, pytestconfig):
     took = time.monotonic() - began
     (work / "build.log").write_text(built.stderr)
     assert built.returncode == 0, built.stderr[-5000:]
-    steps = set(re.findall(r"^#(\d+) \[", built.stderr, re.M))
+    steps = set(re.findall(r"^#(\d+) \[(?:builder|runtime) ", built.stderr, re.M))
     cached = set(re.findall(r"^#(\d+) CACHED", built.stderr, re.M))
     if getattr(docker, "owned", False):
         # Our engine's disk holds this build's cache and nothing older: cache that this build did not
@@ -415,6 +417,9 @@ def test_the_image_serves_offline_as_uid_10001_the_vectors_of_the_checkout(kit, 
     assert code == 200, body
     info = json.loads(body)
     assert info["backend"]["backend"] == "cpp" and info["state"] == "ready", info
+    shown = docker("logs", container)
+    logs = shown.stdout + shown.stderr
+    assert "backend: cpp" in logs and "compiler" not in logs, logs[-3000:]
 
     code, body = inside(docker, container, "POST", "/embed", {"inputs": texts(kit)})
     assert code == 200, body
