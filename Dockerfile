@@ -40,10 +40,12 @@ ENV DEBIAN_FRONTEND=noninteractive \
     TORCH_EXTENSIONS_DIR=/opt/yoso/torch_extensions \
     YOSO_CACHE_DIR=/opt/yoso/cache \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-# python3-dev and g++ compile the C++ extension; nvcc comes with the devel base.
+# python3-dev and g++ compile the C++ extension (through ccache, whose wrappers lack the name torch calls,
+# c++); nvcc comes with the devel base.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ ccache \
  && rm -rf /var/lib/apt/lists/* \
+ && ln -sf ../../bin/ccache /usr/lib/ccache/c++ \
  && python3 -m venv /opt/yoso/venv
 # torch first, in a layer of its own (the largest), which a change to the code leaves cached.
 COPY deploy/install.sh deploy/requirements.lock.txt /src/deploy/
@@ -51,9 +53,14 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     --mount=type=secret,id=pip.conf,target=/etc/pip.conf --mount=type=secret,id=pip-ca \
     TORCH_INDEX_URL="${TORCH_INDEX_URL}" bash /src/deploy/install.sh "--${FLAVOR}" --torch-only --python /opt/yoso/venv/bin/python /src
 COPY . /src
-RUN --mount=type=cache,target=/root/.cache/pip \
+# The kernels compile through ccache (its cache a cache mount): after a change to the code, only kernel
+# sources that changed compile again. Through Debian's c++ wrapper first on PATH, not torch's own "ccache c++"
+# (TORCH_NO_COMPILER_WRAPPER): the build file must name the compiler as the runtime's loader does, or it rebuilds.
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=cache,target=/root/.cache/ccache \
     --mount=type=secret,id=pip.conf,target=/etc/pip.conf --mount=type=secret,id=pip-ca \
-    TORCH_INDEX_URL="${TORCH_INDEX_URL}" bash /src/deploy/install.sh "--${FLAVOR}" --python /opt/yoso/venv/bin/python /src
+    PATH="/usr/lib/ccache:$PATH" CCACHE_DIR=/root/.cache/ccache TORCH_NO_COMPILER_WRAPPER=1 \
+    TORCH_INDEX_URL="${TORCH_INDEX_URL}" \
+    bash /src/deploy/install.sh "--${FLAVOR}" --python /opt/yoso/venv/bin/python /src
 
 # hadolint ignore=DL3006
 FROM runtime-${FLAVOR} AS runtime

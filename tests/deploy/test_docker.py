@@ -78,6 +78,10 @@ def test_builder_runs_install_script_for_all_target_archs(kit, dockerfile):
     assert [i for i, _ in steps] == ["COPY", "RUN", "COPY", "RUN"]
     assert steps[0][1] == "deploy/install.sh deploy/requirements.lock.txt /src/deploy/" and steps[2][1] == ". /src"
     assert "--torch-only" in steps[1][1] and "--torch-only" not in steps[3][1]
+    # the kernels compile through ccache, whose cache outlives the layer
+    assert "--mount=type=cache,target=/root/.cache/ccache" in steps[3][1] and "/usr/lib/ccache:" in steps[3][1]
+    # ...named `c++` in the build file, as the runtime (no ccache there) names it, or torch's loader rebuilds
+    assert "TORCH_NO_COMPILER_WRAPPER=1" in steps[3][1]
     for _, run in (steps[1], steps[3]):
         assert '"--${FLAVOR}"' in run and "--python /opt/yoso/venv/bin/python" in run
         assert "--mount=type=cache,target=/root/.cache/pip" in run
