@@ -8,68 +8,26 @@ it is stopped by its PID afterwards. Skipped, with the reason, only where no eng
 
 from __future__ import annotations
 
-import ast
-import http.server
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
-import threading
 import time
-import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from yoso_docker import Docker, PackageSources, buildkit_cli, debian_base
 
 ROOT = Path("/var/lib/yoso-serve-test-docker")
 IMAGE = "yoso-serve:cpu-test"
 UID = 10001
 # Cold (no cache) the build takes minutes on two cores, warm seconds; the whole module's budget.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
-
-
-class Docker:
-    """One docker CLI talking to one engine."""
-
-    def __init__(self, cli: str, host: str | None):
-        self.cli = cli
-        self.env = {**os.environ, "DOCKER_BUILDKIT": "1"}
-        if host:
-            self.env["DOCKER_HOST"] = host
-
-    def __call__(self, *args, timeout: float = 120, check: bool = True, **kw) -> subprocess.CompletedProcess:
-        done = subprocess.run([self.cli, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                              env=self.env, **kw)
-        if check and done.returncode != 0:
-            pytest.fail(f"docker {' '.join(map(str, args))[:200]}: exit {done.returncode}\n{done.stderr[-3000:]}")
-        return done
-
-    def up(self) -> bool:
-        return self("version", "--format", "{{.Server.Version}}", check=False, timeout=20).returncode == 0
-
-
-def buildkit_cli() -> str | None:
-    """A docker CLI that builds with BuildKit: one with the buildx plugin, or a client older than 23 (BuildKit
-    built in, DOCKER_BUILDKIT=1). Newer clients without buildx refuse BuildKit builds."""
-    found = []
-    for folder in os.environ.get("PATH", "").split(os.pathsep):
-        cli = Path(folder) / "docker"
-        if cli.is_file() and os.access(cli, os.X_OK) and cli.resolve() not in found:
-            found.append(cli.resolve())
-    for cli in found:
-        if subprocess.run([cli, "buildx", "version"], capture_output=True, timeout=20).returncode == 0:
-            return str(cli)
-        version = subprocess.run([cli, "version", "--format", "{{.Client.Version}}"], capture_output=True,
-                                 text=True, timeout=20).stdout.strip()
-        if re.match(r"(1\d|2[0-2])\.", version):
-            return str(cli)
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -115,160 +73,6 @@ def docker():
             proc.wait()
 
 
-# --- the base image: Debian from the mirror this machine's apt uses ------------------------------------
-
-def debian_sources(codename: str) -> list[tuple[str, str]]:
-    """(URI, suite) of the enabled `deb` entries with component main for ``codename`` (and its -updates and
-    -security) in this machine's apt sources, one-line and deb822 formats alike."""
-    apt = Path("/etc/apt")
-    entries: list[tuple[str, list[str], list[str]]] = []
-    for path in [apt / "sources.list", *sorted(apt.glob("sources.list.d/*.list"))]:
-        for line in path.read_text().splitlines() if path.is_file() else []:
-            words = re.sub(r"\[[^]]*\]", " ", line.split("#", 1)[0]).split()
-            if len(words) >= 4 and words[0] == "deb":
-                entries.append((words[1], [words[2]], words[3:]))
-    for path in sorted(apt.glob("sources.list.d/*.sources")):
-        for stanza in re.split(r"\n\s*\n", path.read_text()):
-            fields, key = {}, None
-            for line in stanza.splitlines():
-                if line.startswith("#") or not line.strip():
-                    continue
-                if line[0].isspace() and key:
-                    fields[key] += " " + line.strip()
-                else:
-                    key, _, value = line.partition(":")
-                    key = key.strip().lower()
-                    fields[key] = value.strip()
-            if "deb" in fields.get("types", "").split() and fields.get("enabled", "yes").lower() != "no":
-                for uri in fields.get("uris", "").split():
-                    entries.append((uri, fields.get("suites", "").split(), fields.get("components", "").split()))
-    wanted = (codename, f"{codename}-updates", f"{codename}-security")
-    return [(uri, s) for uri, suites, comps in entries for s in suites if s in wanted and "main" in comps]
-
-
-# The slim variant's habits: no documentation, manuals or translations, no downloaded packages kept.
-DPKG_SLIM = """path-exclude /usr/share/doc/*
-path-include /usr/share/doc/*/copyright
-path-exclude /usr/share/man/*
-path-exclude /usr/share/info/*
-path-exclude /usr/share/locale/*
-path-include /usr/share/locale/locale.alias
-"""
-APT_SLIM = 'APT::Keep-Downloaded-Packages "false";\nAcquire::Languages "none";\n'
-
-
-def slim_rootfs(rootfs: Path, sources: list[tuple[str, str]]) -> None:
-    (rootfs / "etc/dpkg/dpkg.cfg.d/slim").write_text(DPKG_SLIM)
-    (rootfs / "etc/apt/apt.conf.d/slim").write_text(APT_SLIM)
-    for pattern in ("var/cache/apt/archives/*.deb", "var/cache/apt/*.bin", "var/lib/apt/lists/*",
-                    "usr/share/man/*", "usr/share/info/*", "usr/share/locale/*"):
-        for path in rootfs.glob(pattern):
-            if path.name != "locale.alias":
-                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-    for path in (rootfs / "usr/share/doc").rglob("*"):
-        if not path.is_dir() and path.name != "copyright":
-            path.unlink()
-    if sources:  # the image's apt reads the mirrors the machine's apt reads, security updates included
-        (rootfs / "etc/apt/sources.list").write_text("".join(f"deb {u} {s} main\n" for u, s in sources))
-
-
-def debian_base(docker: Docker, tag: str) -> str:
-    """Tag ``tag`` (debian:<codename>-slim) from a debootstrap minbase, unless the engine has it. Returns how."""
-    if docker("image", "inspect", tag, check=False).returncode == 0:
-        return "cached"
-    if docker("pull", tag, check=False, timeout=600).returncode == 0:  # where a registry answers
-        return "pulled"
-    debootstrap = shutil.which("debootstrap")
-    if debootstrap is None:
-        pytest.fail(f"{tag} is not on the engine and debootstrap is missing: bash deploy/install-system-deps.sh")
-    codename = tag.split(":")[1].removesuffix("-slim")
-    sources = debian_sources(codename)
-    mirror = [u for u, s in sources if s == codename][:1]  # none: debootstrap's own default mirror
-    rootfs = ROOT / "rootfs"
-    shutil.rmtree(rootfs, ignore_errors=True)
-    made = subprocess.run([debootstrap, "--variant=minbase", codename, str(rootfs), *mirror],
-                          capture_output=True, text=True, timeout=1200)
-    assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
-    slim_rootfs(rootfs, sources)
-    tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-c", "."], stdout=subprocess.PIPE)
-    docker("import", "--change", 'CMD ["bash"]', "--change", "LABEL made-by=debootstrap-minbase", "-", tag,
-           stdin=tar.stdout, timeout=600)
-    assert tar.wait(timeout=60) == 0
-    shutil.rmtree(rootfs)
-    return f"made with debootstrap from {mirror[0] if mirror else 'its default mirror'}"
-
-
-# --- the build: this machine's pip sources, local folders served on loopback ----------------------------
-
-class _Files(http.server.SimpleHTTPRequestHandler):
-    """Read-only files under ``roots``, by absolute path; nothing else (404)."""
-
-    roots: tuple[Path, ...] = ()
-
-    def translate_path(self, path: str) -> str:
-        wanted = Path(os.path.normpath(urllib.parse.unquote(urllib.parse.urlsplit(path).path)))
-        inside = any(wanted == r or r in wanted.parents for r in self.roots)
-        return str(wanted) if inside else "/nonexistent"
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-class PackageSources:
-    """This machine's pip sources (``pip config list``: its files and PIP_* variables) as a pip.conf for the
-    build: URLs as they are, local folders (file:// indexes, find-links) served read-only on 127.0.0.1 for
-    a build on the host network, and the CA bundle pip trusts (a TLS-intercepting proxy's) as the pip-ca
-    secret. Where packages come from travels; pip's other settings (constraints, timeouts) do not."""
-
-    KEYS = ("index-url", "extra-index-url", "find-links", "no-index", "trusted-host", "cert")
-    CA = "/run/secrets/pip-ca"  # where the Dockerfile mounts the pip-ca secret
-
-    def __init__(self, conf: Path):
-        listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True,
-                                text=True, timeout=60, check=True).stdout
-        found: dict[str, dict[str, str]] = {}
-        for line in listed.splitlines():  # global.find-links='/opt/wheels', :env:.find-links='...'
-            m = re.fullmatch(r"(:env:|[\w-]+)\.([\w-]+)=(.*)", line.strip())
-            if m and m[2] in self.KEYS:
-                found.setdefault(m[2], {})[m[1]] = ast.literal_eval(m[3])
-        # pip's precedence: environment over the [install] section over [global]
-        self.settings = {key: next(by[s] for s in (":env:", "install", "global") if s in by)
-                         for key, by in found.items() if by.keys() & {":env:", "install", "global"}}
-        self.ca = self.settings.pop("cert", None)
-        self.conf, self.roots = conf, []
-
-    def secrets(self) -> list[str]:
-        """The ``docker build`` flags that hand pip.conf (and the CA bundle) to the build."""
-        return [f"--secret=id=pip.conf,src={self.conf}"] + ([f"--secret=id=pip-ca,src={self.ca}"] if self.ca else [])
-
-    def _location(self, key: str, value: str, port: int) -> str:
-        if "://" in value and not value.startswith("file://"):
-            return value
-        path = Path(urllib.parse.unquote(urllib.parse.urlsplit(value).path) if "://" in value else value)
-        # an index's pages link to files beside it (../../files/...); a find-links folder lists its own
-        self.roots.append(path if key == "find-links" and path.is_dir() else path.parent)
-        return f"http://127.0.0.1:{port}{urllib.parse.quote(str(path))}"
-
-    def __enter__(self) -> PackageSources:
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Files)
-        port = self.server.server_address[1]
-        lines = ["[global]"]
-        for key, value in self.settings.items():
-            if key in ("index-url", "extra-index-url", "find-links"):
-                value = " ".join(self._location(key, v, port) for v in value.split())
-            lines.append(f"{key} = {value}")
-        if self.ca:
-            lines.append(f"cert = {self.CA}")
-        _Files.roots = tuple(self.roots)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.conf.write_text("\n".join(lines) + "\n")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def base_tag() -> str:
     """The CPU flavor's base, as the Dockerfile names it (ARG DEBIAN_VERSION)."""
     text = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
@@ -278,7 +82,7 @@ def base_tag() -> str:
 @pytest.fixture(scope="module")
 def image(kit, docker, tmp_path_factory, pytestconfig):
     """The CPU image, built from the checkout; prints what it took and how big it is."""
-    base = debian_base(docker, base_tag())
+    base = debian_base(docker, base_tag(), ROOT / "rootfs")
     work = tmp_path_factory.mktemp("docker-build")
     # torch as this checkout's venv has it: a CPU wheel came from the machine's own sources (no extra index),
     # else the build asks PyTorch's CPU index (install.sh's "auto").
@@ -299,8 +103,9 @@ def image(kit, docker, tmp_path_factory, pytestconfig):
         docker("builder", "prune", "-f", "--filter", f"until={int(took) + 120}s", timeout=600)
         docker("image", "prune", "-f", timeout=600)
     size = int(docker("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout)
-    report(pytestconfig, f"docker image {IMAGE}: {size / 1e6:.0f} MB, built in {took:.0f} s ({len(cached)} of {len(steps)} "
-           f"steps cached; base {base}; engine {docker('version', '--format', '{{.Server.Version}}').stdout.strip()})")
+    engine = docker("version", "--format", "{{.Server.Version}}").stdout.strip()
+    report(pytestconfig, f"docker image {IMAGE}: {size / 1e6:.0f} MB, built in {took:.0f} s ({len(cached)} of "
+           f"{len(steps)} steps cached; base {base}; engine {engine})")
     return {"size": size, "build_s": took}
 
 
@@ -364,7 +169,7 @@ def container(docker, image, pytestconfig):
                  600, "the container's /ready")
         running = docker("inspect", "--format", "{{.State.Running}}", name).stdout.strip() == "true"
         assert running, docker("logs", name, check=False).stderr[-3000:]
-        report(pytestconfig, f"docker run to /ready 200: {time.monotonic() - began:.1f} s (cold start, --network none)")
+        report(pytestconfig, f"docker run to /ready 200: {time.monotonic() - began:.1f} s (--network none)")
         yield name
     finally:
         docker("rm", "-f", name, check=False)
@@ -425,7 +230,8 @@ def test_the_image_serves_offline_as_uid_10001_the_vectors_of_the_checkout(kit, 
     assert code == 200, body
     served = np.array(json.loads(body))
     assert served.shape == checkout_vectors.shape
-    cosine = (served * checkout_vectors).sum(1) / np.linalg.norm(served, axis=1) / np.linalg.norm(checkout_vectors, axis=1)
+    norms = np.linalg.norm(served, axis=1) * np.linalg.norm(checkout_vectors, axis=1)
+    cosine = (served * checkout_vectors).sum(1) / norms
     assert cosine.min() >= 0.9999, cosine
 
     # The image's HEALTHCHECK command itself (probed every second here) passes.
@@ -433,22 +239,34 @@ def test_the_image_serves_offline_as_uid_10001_the_vectors_of_the_checkout(kit, 
              60, "docker's health status 'healthy'")
 
 
+# Inside the container: watch /metrics every 10 ms and exit as soon as a work request is in flight.
+WATCH_IN_FLIGHT = """
+import re, sys, time, urllib.request
+print("watching", flush=True)
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline:
+    with urllib.request.urlopen("http://127.0.0.1:8080/metrics", timeout=5) as r:
+        if re.search(rb"^yoso_in_flight_requests [1-9]", r.read(), re.M):
+            sys.exit(0)
+    time.sleep(0.01)
+sys.exit(1)
+"""
+
+
 def test_docker_stop_drains_the_request_in_flight_and_exits_0(kit, docker, container, tmp_path):
     """SIGTERM while a long request runs: it is answered in full, then the container exits 0, well inside
     docker stop's grace period."""
     words = (kit.REPO / "README.md").read_text().split() * 4
-    documents = [" ".join(words[i * 300: i * 300 + 3000]) for i in range(2)]
+    documents = [" ".join(words[i * 300: i * 300 + 3000]) for i in range(4)]
     (tmp_path / "request.json").write_text(json.dumps({"inputs": documents}))
+    watch = subprocess.Popen([docker.cli, "exec", container, "python3", "-c", WATCH_IN_FLIGHT],
+                             stdout=subprocess.PIPE, text=True, env=docker.env)
+    assert watch.stdout.readline().strip() == "watching"
     with open(tmp_path / "request.json") as request:
         client = subprocess.Popen([docker.cli, "exec", "-i", container, "python3", "-c", CLIENT, "POST", "/embed"],
                                   stdin=request, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                   env=docker.env)
-
-    def in_flight():
-        code, body = inside(docker, container, "GET", "/metrics")
-        return code == 200 and re.search(r"^yoso_in_flight_requests [1-9]", body, re.M)
-
-    wait_for(in_flight, 60, "the long request in flight")
+    assert watch.wait(timeout=150) == 0, "the request was never seen in flight"
     grace = 90  # past the server's --drain-timeout: what cuts the drain short is the server, not docker
     began = time.monotonic()
     docker("stop", "-t", grace, container, timeout=grace + 30)
@@ -460,3 +278,8 @@ def test_docker_stop_drains_the_request_in_flight_and_exits_0(kit, docker, conta
     assert len(json.loads(answer["body"])) == len(documents)
     assert state["ExitCode"] == 0 and not state["OOMKilled"], state
     assert stopped < 60, f"docker stop took {stopped:.1f} s (grace {grace} s, drain timeout 60 s)"
+    # The drain was real: the answer went out after the signal, before the application shut down.
+    shown = docker("logs", "--timestamps", container)  # uvicorn's access log is stdout, the rest stderr
+    logs = "\n".join(sorted((shown.stdout + shown.stderr).splitlines()))
+    signal_at, answer_at = logs.index("Shutting down"), logs.rindex('"POST /embed HTTP/1.1" 200')
+    assert signal_at < answer_at < logs.index("Application shutdown complete"), logs[-2000:]
