@@ -97,7 +97,7 @@ def image(kit, docker, tmp_path_factory, pytestconfig):
     assert built.returncode == 0, built.stderr[-5000:]
     steps = set(re.findall(r"^#(\d+) \[(?:builder|runtime) ", built.stderr, re.M))
     cached = steps & set(re.findall(r"^#(\d+) CACHED", built.stderr, re.M))
-    if getattr(docker, "owned", False) and cached != steps:
+    if docker.owned and cached != steps:
         # Our engine's disk keeps one build: the image this one replaced goes, and so does build cache that
         # this build did not touch (it touched every layer it stands on and the ones it ran). The cache
         # mounts stay (pip's downloads, ccache), and so does everything after a fully cached build, which

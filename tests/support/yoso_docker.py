@@ -22,6 +22,7 @@ class Docker:
 
     def __init__(self, cli: str, host: str | None):
         self.cli = cli
+        self.owned = False  # True for a dockerd this session started (and so may prune)
         self.env = {**os.environ, "DOCKER_BUILDKIT": "1"}
         if host:
             self.env["DOCKER_HOST"] = host
