@@ -1,9 +1,15 @@
-# syntax=docker/dockerfile:1
 # yoso-serve image. GPU (default): CUDA runtime base, the CUDA build of torch, kernels compiled
 # for sm_80/86/89/90 in a CUDA devel stage. CPU: the same steps on Debian bookworm-slim.
 #   docker build -t yoso-serve:gpu .                       docker run --gpus all -p 8080:8080 yoso-serve:gpu
 #   docker build -t yoso-serve:cpu --build-arg FLAVOR=cpu .  docker run -p 8080:8080 yoso-serve:cpu
-# The install logic lives in deploy/install.sh, which CI runs outside Docker.
+# The install logic lives in deploy/install.sh, which CI runs outside Docker; tests/deploy/test_docker_engine.py
+# builds the CPU flavor and runs it on a real engine.
+# Needs BuildKit (Docker 23+, or DOCKER_BUILDKIT=1 on 20.10) and no registry beyond the bases: there is no
+# `# syntax=` line, so the engine's own Dockerfile frontend runs (a syntax line would pull one).
+# pip sources other than PyPI (a mirror, a wheel folder served over HTTP, credentials) come in as a
+# pip.conf secret, and the CA bundle that a TLS-intercepting proxy needs as pip-ca (pip.conf then says
+# `cert = /run/secrets/pip-ca`): no layer keeps them and no cache key includes them.
+#   docker build --secret id=pip.conf,src=$HOME/.config/pip/pip.conf [--secret id=pip-ca,src=CA.pem] ...
 # torch 2.13's PyPI build is CUDA 13, so nvcc must be 13.x (needs NVIDIA driver >= 580).
 # Builder and runtime share one OS per flavor, so the venv's python3 has the same path in both.
 # GPU: Ubuntu 24.04 (python3 3.12; 22.04's 3.10 is too old for transformers 5, a dependency of the
@@ -34,18 +40,33 @@ ENV DEBIAN_FRONTEND=noninteractive \
     TORCH_EXTENSIONS_DIR=/opt/yoso/torch_extensions \
     YOSO_CACHE_DIR=/opt/yoso/cache \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-# python3-dev and g++ compile the C++ extension; nvcc comes with the devel base.
+# python3-dev and g++ compile the C++ extension (through ccache, whose wrappers lack the name torch calls,
+# c++); nvcc comes with the devel base.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ ccache \
  && rm -rf /var/lib/apt/lists/* \
+ && ln -sf ../../bin/ccache /usr/lib/ccache/c++ \
  && python3 -m venv /opt/yoso/venv
-COPY . /src
+# torch first, in a layer of its own (the largest), which a change to the code leaves cached.
+COPY deploy/install.sh deploy/requirements.lock.txt /src/deploy/
 RUN --mount=type=cache,target=/root/.cache/pip \
-    TORCH_INDEX_URL="${TORCH_INDEX_URL}" bash /src/deploy/install.sh "--${FLAVOR}" --python /opt/yoso/venv/bin/python /src
+    --mount=type=secret,id=pip.conf,target=/etc/pip.conf --mount=type=secret,id=pip-ca \
+    TORCH_INDEX_URL="${TORCH_INDEX_URL}" bash /src/deploy/install.sh "--${FLAVOR}" --torch-only --python /opt/yoso/venv/bin/python /src
+COPY . /src
+# The kernels compile through ccache (its cache a cache mount): after a change to the code, only kernel
+# sources that changed compile again. Through Debian's c++ wrapper first on PATH, not torch's own "ccache c++"
+# (TORCH_NO_COMPILER_WRAPPER): the build file must name the compiler as the runtime's loader does, or it rebuilds.
+RUN --mount=type=cache,target=/root/.cache/pip --mount=type=cache,target=/root/.cache/ccache \
+    --mount=type=secret,id=pip.conf,target=/etc/pip.conf --mount=type=secret,id=pip-ca \
+    PATH="/usr/lib/ccache:$PATH" CCACHE_DIR=/root/.cache/ccache TORCH_NO_COMPILER_WRAPPER=1 \
+    TORCH_INDEX_URL="${TORCH_INDEX_URL}" \
+    bash /src/deploy/install.sh "--${FLAVOR}" --python /opt/yoso/venv/bin/python /src
 
 # hadolint ignore=DL3006
 FROM runtime-${FLAVOR} AS runtime
 ARG TORCH_CUDA_ARCH_LIST
+# No compiler in this stage (the kernels were built above): TORCH_DONT_CHECK_COMPILER_ABI keeps torch's
+# loader from looking for one, and warning that it found none, at every start.
 ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/yoso/venv/bin:$PATH \
     CUDA_HOME=/usr/local/cuda \
@@ -57,9 +78,10 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PYTHONSAFEPATH=1 \
     HOME=/home/yoso \
+    TORCH_DONT_CHECK_COMPILER_ABI=1 \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
-# libgomp1: the C++ extension's OpenMP runtime. No compiler here: the kernels were built above.
+# libgomp1: the C++ extension's OpenMP runtime.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 libgomp1 \
  && rm -rf /var/lib/apt/lists/* \

@@ -49,7 +49,7 @@ install-dev: $(VENV)/.installed-dev
 serve: install
 	$(VENV)/bin/yoso-serve $(ARGS)
 
-# promtool and prometheus, which the deploy tests run (apt; a no-op where both are on PATH).
+# promtool and prometheus, dockerd and debootstrap, which the deploy tests run (apt; a no-op where all are on PATH).
 system-deps:
 	bash deploy/install-system-deps.sh
 

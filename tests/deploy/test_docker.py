@@ -73,10 +73,22 @@ def test_builder_runs_install_script_for_all_target_archs(kit, dockerfile):
         assert builder[name] == runtime[name], name
     assert builder["TORCH_CUDA_ARCH_LIST"] == "${TORCH_CUDA_ARCH_LIST}"
     assert all(builder[n].startswith("/opt/yoso/") for n in ("TORCH_EXTENSIONS_DIR", "YOSO_CACHE_DIR"))
-    runs = [a for i, a in stage(dockerfile, "builder") if i == "RUN" and "deploy/install.sh" in a]
-    assert len(runs) == 1
-    assert '"--${FLAVOR}"' in runs[0] and "--python /opt/yoso/venv/bin/python" in runs[0]
-    assert "--mount=type=cache,target=/root/.cache/pip" in runs[0]
+    steps = [(i, a) for i, a in stage(dockerfile, "builder") if i == "COPY" or "deploy/install.sh" in a]
+    # torch alone first, from a COPY of deploy/ only (a code change leaves that layer cached), then the rest
+    assert [i for i, _ in steps] == ["COPY", "RUN", "COPY", "RUN"]
+    assert steps[0][1] == "deploy/install.sh deploy/requirements.lock.txt /src/deploy/" and steps[2][1] == ". /src"
+    assert "--torch-only" in steps[1][1] and "--torch-only" not in steps[3][1]
+    # the kernels compile through ccache, whose cache outlives the layer
+    assert "--mount=type=cache,target=/root/.cache/ccache" in steps[3][1] and "/usr/lib/ccache:" in steps[3][1]
+    # ...named `c++` in the build file, as the runtime (no ccache there) names it, or torch's loader rebuilds
+    assert "TORCH_NO_COMPILER_WRAPPER=1" in steps[3][1]
+    for _, run in (steps[1], steps[3]):
+        assert '"--${FLAVOR}"' in run and "--python /opt/yoso/venv/bin/python" in run
+        assert "--mount=type=cache,target=/root/.cache/pip" in run
+        # pip sources beyond PyPI arrive as a secret: in no layer, in no cache key
+        assert "--mount=type=secret,id=pip.conf,target=/etc/pip.conf" in run and "--mount=type=secret,id=pip-ca" in run
+    # no `# syntax=` line: the engine's own frontend, so an offline build pulls nothing but its bases
+    assert not dockerfile.lstrip().startswith("# syntax")
 
 
 def test_runtime_stage_serves_as_non_root_with_healthcheck(kit, dockerfile):
@@ -97,7 +109,9 @@ def test_runtime_stage_serves_as_non_root_with_healthcheck(kit, dockerfile):
     # torch takes a lock file in the extension folder: the serving user must own it.
     ext = env["TORCH_EXTENSIONS_DIR"]
     assert f"--from=builder --chown={user[-1]} {ext} {ext}" in copies
-    # No compiler in the runtime image: the kernels were compiled in the builder.
+    # No compiler in the runtime image: the kernels were compiled in the builder (and torch's loader is told
+    # not to look for one, which it would warn about at every start).
+    assert env["TORCH_DONT_CHECK_COMPILER_ABI"] == "1"
     assert not re.search(r"\b(g\+\+|gcc|build-essential|python3-dev)\b", " ".join(a for i, a in runtime if i == "RUN"))
 
 

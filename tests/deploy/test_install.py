@@ -99,16 +99,30 @@ def _fake_bin(folder: Path, **scripts: str) -> str:
 
 
 def test_system_deps_are_a_no_op_where_prometheus_is_on_path_and_say_what_to_do_where_they_cannot_install(kit, tmp_path):
-    """`make test` runs deploy/install-system-deps.sh first: with both binaries on PATH it installs nothing
-    (apt-get here would fail the test), and without root it stops with one line instead of apt's errors."""
+    """`make test` runs deploy/install-system-deps.sh first: with every binary on PATH it installs nothing
+    (apt-get here would fail the test), without root it stops with one line instead of apt's errors, and
+    only a missing Prometheus fails it (without dockerd the engine test skips, saying why)."""
     script = kit.DEPLOY / "install-system-deps.sh"
-    present = _fake_bin(tmp_path / "present", prometheus="exit 0", promtool="exit 0", **{"apt-get": "exit 9"})
-    done = subprocess.run(["/bin/bash", str(script)], capture_output=True, text=True, timeout=30,
-                          env={**os.environ, "PATH": present})
+
+    def run(folder: str):
+        return subprocess.run(["/bin/bash", str(script)], capture_output=True, text=True, timeout=30,
+                              env={**os.environ, "PATH": folder})
+
+    tools = {"prometheus": "exit 0", "promtool": "exit 0", "dockerd": "exit 0", "debootstrap": "exit 0"}
+    done = run(_fake_bin(tmp_path / "present", **tools, **{"apt-get": "exit 9"}))
     assert done.returncode == 0 and done.stderr == ""
-    unprivileged = _fake_bin(tmp_path / "user", id="echo 1000", **{"apt-get": "exit 9"})
-    done = subprocess.run(["/bin/bash", str(script)], capture_output=True, text=True, timeout=30,
-                          env={**os.environ, "PATH": unprivileged})
-    assert done.returncode == 1 and "needs root and apt-get" in done.stderr and "Prometheus" in done.stderr
+    unprivileged = run(_fake_bin(tmp_path / "user", id="echo 1000", **{"apt-get": "exit 9"}))
+    assert unprivileged.returncode == 1 and "needs root and apt-get" in unprivileged.stderr
+    assert "Prometheus" in unprivileged.stderr
+    no_engine = run(_fake_bin(tmp_path / "no-engine", id="echo 1000", prometheus="exit 0", promtool="exit 0",
+                              **{"apt-get": "exit 9"}))
+    assert no_engine.returncode == 0 and "docker.io debootstrap missing" in no_engine.stderr
+    assert "engine test will skip" in no_engine.stderr
+    # As root, what is missing (and only that) goes to apt-get in one call.
+    apt = _fake_bin(tmp_path / "root", id="echo 0", prometheus="exit 0", promtool="exit 0", dockerd="exit 0",
+                    **{"apt-get": f'echo "$@" >> {tmp_path}/apt.log'})
+    assert run(apt).returncode == 0
+    assert (tmp_path / "apt.log").read_text().splitlines() == [
+        "update -qq", "install -y -qq --no-install-recommends debootstrap"]
     make = subprocess.run(["make", "-n", "test"], cwd=kit.REPO, capture_output=True, text=True, timeout=30)
     assert "bash deploy/install-system-deps.sh" in make.stdout
