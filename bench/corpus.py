@@ -189,20 +189,18 @@ def publish(data: dict, write_docs: bool) -> None:
         lines.append(f"| {m} | {v['wall_s']:.1f} | {v['docs_s']:.2f} | {v['tokens_s']:,.0f} | "
                      f"{v['docs_s'] / base:.2f}x |")
     reader = data["driver_docs_s"]
-    lines += ["", "Start-up (the model's load, and Ray's own start for ray-N) is inside every figure and weighs more "
-              "on a short corpus.", "",
-              f"The driver's own pass over the input (read, check, deduplicate; without writing the staging shards), "
-              f"alone: {reader:,.0f} docs/s."]
+    text = (f"Start-up (the model's load, Ray's own start) is inside every figure. The driver's own pass over the input "
+            f"(read, check, deduplicate), alone: {reader:,.0f} docs/s.")
     if "ray-1" in medians:
         rate = medians["ray-1"]["docs_s"]
-        lines += ["", f"On paper, for {TARGET_DOCS:,} such documents: one worker of this machine (both cores) at "
-                  f"{rate:.2f} docs/s would take {TARGET_DOCS / rate / 3600:,.0f} hours, N of them that over N. GPU "
-                  "workers are not measured here, so their rate is not known; whatever it is, N workers at r docs/s "
-                  f"take 10^7 / (N r) seconds until the driver binds: it reads, checks and stages the corpus alone, "
-                  f"at most at the rate above ({TARGET_DOCS / reader / 60:,.0f} minutes for the whole corpus, before the "
-                  "workers start), and it copies the admitted texts once into `DIR/_staging`, so the shared storage "
-                  "must take the corpus once in and out and the vectors once (1.5 KB a document at 384 float32). "
-                  "Each worker loads the model once (seconds); a worker lost mid-job costs the part it was writing."]
+        text += (f" On paper, for {TARGET_DOCS:,} such documents: one worker of this machine (both cores) at {rate:.2f} "
+                 f"docs/s would take {TARGET_DOCS / rate / 3600:,.0f} hours, N of them that over N. GPU workers are not "
+                 "measured here; whatever their rate r, N of them take 10^7 / (N r) seconds until the driver binds: it "
+                 f"reads, checks and stages the corpus alone, at most at the rate above ({TARGET_DOCS / reader / 60:,.0f} "
+                 "minutes for the whole corpus, before the workers start), and copies the admitted texts once into "
+                 "`DIR/_staging`, so shared storage takes the corpus once in and out and the vectors once (1.5 KB a "
+                 "document at 384 float32). Each worker loads the model once; a lost worker costs the part it was writing.")
+    lines += ["", text]
     table = "\n".join(lines)
     print(table)
     plot(medians)
