@@ -63,3 +63,10 @@ def alternated_medians(calls: dict, repeats: int, sync=None) -> dict:
                 sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    """Lay out ``fig`` and write it to ``path``, making its folder."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.append(str(Path(__file__).resolve().parent))
-from _sections import machine, write_section  # noqa: E402
+from _sections import machine, save_figure, write_section  # noqa: E402
 from load import free_port  # noqa: E402
 from peer import cut  # noqa: E402
 
@@ -129,9 +129,7 @@ def plot(medians: dict) -> None:
     ax.bar(names, [medians[m]["docs_s"] for m in names], color=["#888", "#2a6", "#26a", "#14c"][: len(names)])
     ax.set_ylabel("documents / s (median)")
     ax.set_title("Indexing 1-4k-token documents, end to end")
-    fig.tight_layout()
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(PLOT, dpi=120)
+    save_figure(fig, PLOT, dpi=120)
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent))
-from _sections import cpu_name, write_section  # noqa: E402
+from _sections import cpu_name, save_figure, write_section  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PLOT = REPO / "docs" / "img" / "image_start.png"
@@ -146,9 +146,7 @@ def plot(rows: dict[str, list[float]]) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds (bar: median; dots: runs)")
     ax.set_title("yoso-serve CPU image: cold start and stop, beside the checkout")
-    fig.tight_layout()
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(PLOT, dpi=110)
+    save_figure(fig, PLOT, dpi=110)
 
 
 def main() -> None:
