@@ -70,6 +70,13 @@ def check_model_limits(settings: ServeSettings, model: ServedModel) -> tuple[int
     return max_length, window
 
 
+def model_path(settings) -> Path:
+    """The directory the server loads a torch or hybrid model from: ``--model``, else the bundled default model."""
+    from yoso_serve.model import default_model_dir
+
+    return Path(settings.model or default_model_dir())
+
+
 def load_served_model(settings: ServeSettings) -> LoadedModel:
     """Load ``settings.model`` (or the bundled default) for the runtime ``settings.runtime`` resolves to.
 
@@ -78,14 +85,14 @@ def load_served_model(settings: ServeSettings) -> LoadedModel:
     """
     import torch
 
-    from yoso_serve.model import default_model_dir, load_pretrained
+    from yoso_serve.model import load_pretrained
     from yoso_serve.model.encoder import set_dense_dtype
     from yoso_serve.model.onnx_runtime import load_onnx
 
     device = settings.resolved_device()
     if settings.runtime == "onnx":  # settings checked that --model is an exported directory
         return LoadedModel(load_onnx(settings.model, device=device), "onnx", "--runtime onnx")
-    path = Path(settings.model or default_model_dir())
+    path = model_path(settings)
     model = load_pretrained(path, device=device, dtype=getattr(torch, settings.resolved_dtype()))
     if settings.resolved_exact_kernel() == "flex":
         _use_flex(model)

@@ -21,7 +21,8 @@ from .local import run_local
 from .report import RunReport
 from .sources import Admission, CorpusError, count_rows, plan_sources, read_documents
 from .store import FORMAT, OutputStore
-from .work import BATCH_SETTINGS, VECTOR_SETTINGS, DocumentEmbedder, job_settings, model_digest, model_dir, \
+from ..loading import model_path
+from .work import BATCH_SETTINGS, VECTOR_SETTINGS, DocumentEmbedder, job_settings, model_digest, \
     resolved_settings
 
 ENGINES = ("local", "ray")
@@ -95,7 +96,7 @@ def embed_corpus(inputs: Sequence[str | os.PathLike], out: str | os.PathLike, *,
     else:
         settings = job_settings(given)
     sources = plan_sources(inputs)
-    path = model_dir(settings)
+    path = model_path(settings)
     fingerprint = {"model_digest": model_digest(path), "pieces": pieces, "id_field": id_field,
                    "text_field": text_field, "normalize": True, **resolved_settings(settings)}
     store = OutputStore(out)

@@ -17,11 +17,12 @@ import shutil
 from dataclasses import dataclass
 from typing import Iterable
 
+from ..loading import model_path
 from ..settings import ServeSettings
 from .report import RunReport
 from .sources import Admission, BadRow, CorpusError, Document
 from .store import OutputStore
-from .work import BATCH_SETTINGS, DocumentEmbedder, job_settings, model_digest, model_dir, resolved_settings
+from .work import BATCH_SETTINGS, DocumentEmbedder, job_settings, model_digest, resolved_settings
 
 # Documents of one worker's batch in the engine at once: two full batches' worth of short texts.
 IN_FLIGHT_PER_WORKER = 128
@@ -63,9 +64,9 @@ class RayEmbedder:
 
     def __init__(self, settings: dict, pieces: int | None, digest: str, out: str, token: str) -> None:
         self.settings = job_settings(settings)
-        found = model_digest(model_dir(self.settings))
+        found = model_digest(model_path(self.settings))
         if found != digest:
-            raise CorpusError(f"this worker's model ({model_dir(self.settings)}) has digest {found}, the job's "
+            raise CorpusError(f"this worker's model ({model_path(self.settings)}) has digest {found}, the job's "
                               f"{digest}: every worker must see the same model at the same path")
         self.store, self.token = OutputStore(out), token
         self.embedder = DocumentEmbedder(self.settings, pieces)

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from ..engine import Engine
 from ..errors import ServiceError
-from ..loading import load_served_model
+from ..loading import load_served_model, model_path
 from ..metrics import ServiceMetrics
 from ..params import EmbedParams, PiecesParams
 from ..settings import ServeSettings, describe_errors
@@ -60,12 +60,6 @@ def resolved_settings(settings: ServeSettings) -> dict:
     return out
 
 
-def model_dir(settings: ServeSettings) -> Path:
-    from yoso_serve.model import default_model_dir
-
-    return Path(settings.model or default_model_dir())
-
-
 def model_digest(path: Path) -> str:
     """sha256 over the files that decide the model's vectors: config.json, the weights (or the ONNX graph)
     and the tokenizer's files; 32 hex digits."""
@@ -96,7 +90,7 @@ class DocumentEmbedder:
         self.settings = settings
         self.pieces = pieces
         self.engine = Engine(settings, ServiceMetrics(settings.max_batch_tokens),
-                             lambda: load_served_model(settings), model_name=str(model_dir(settings)))
+                             lambda: load_served_model(settings), model_name=str(model_path(settings)))
 
     def start(self) -> None:
         """Load the model and run the engine's warm-up batches (its own event loop, then closed: the engine's
