@@ -19,7 +19,7 @@ from yoso_serve.model.version import package_version
 from .engine import Engine
 from .errors import InvalidInput, MalformedRequest, MethodNotAllowed, NotFound, NotReady, ServiceError, empty_body
 from .metrics import CONTENT_TYPE, ServiceMetrics
-from .middleware import EdgeMiddleware, RouteTable
+from .middleware import TOKENIZER_TAG, EdgeMiddleware, RouteTable
 from .protocol import (PATTERN_MEANS, UNION_TAGS, ClassifyRequest, EmbedAllRequest, EmbedPiecesRequest, EmbedRequest,
                        ErrorResponse, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse, PiecedEmbedding, ScoredLabel,
                        Token, TokenizeRequest)
@@ -90,7 +90,8 @@ def create_app(settings: ServeSettings | None = None, *, load_model: Callable | 
     add_tei_routes(app, engine)
     # after the routes: the edge sorts requests by what the app registered
     app.add_middleware(EdgeMiddleware, routes=RouteTable.of(app), payload_limit=settings.payload_limit,
-                       api_key=settings.api_key.get_secret_value() if settings.api_key else None, metrics=metrics)
+                       api_key=settings.api_key.get_secret_value() if settings.api_key else None, metrics=metrics,
+                       admit=engine.admit_now)
     app.openapi = deployment_openapi(app, engine)
     return app
 
@@ -204,7 +205,7 @@ def _add_routes(app: FastAPI, engine: Engine, metrics: ServiceMetrics) -> None:
                       "usage": {"prompt_tokens": out.usage.tokens, "total_tokens": out.usage.tokens}},
                      out.usage)
 
-    @app.post("/tokenize", response_model=list[list[Token]], responses=_ERRORS)
+    @app.post("/tokenize", response_model=list[list[Token]], responses=_ERRORS, tags=[TOKENIZER_TAG])
     async def tokenize(body: TokenizeRequest) -> Response:
         tokens = await engine.tokenize(body.texts(), body.add_special_tokens)
         return await json_response_off_loop(lambda: tokens)

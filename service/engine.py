@@ -149,6 +149,14 @@ class Engine:
         self._text_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- public calls -----------------------------------------------------------------
+    def admit_now(self) -> None:
+        """The edge's check before the app parses a request of model work: Overloaded (429) when the queue
+        ahead already outlasts the request's deadline, the same check it would meet before tokenising, without
+        the validation and routing that made up about half of a refusal's time on the event loop. Only while
+        ready: a loading or draining server answers from the route, as before."""
+        if self.state == "ready":
+            self.scheduler.admit(request_budget(self.settings.request_timeout))
+
     def check(self, p: EmbedParams | PiecesParams, *, warmup: bool = False) -> int | str:
         """Every check :meth:`embed` (EmbedParams) or :meth:`embed_pieces` (PiecesParams) makes before it
         tokenises, so that a route calling several of them refuses a request before any of them runs;

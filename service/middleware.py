@@ -2,7 +2,8 @@
 buffer responses and break the disconnect watch).
 
 In order: request id, API key, the client's deadline (``x-request-timeout``, kept for the engine in
-a context variable), body size (before any parsing, chunked bodies included), then the app;
+a context variable), body size (before any parsing, chunked bodies included), admission (a request of
+model work meets the queue's 429 before the app parses it), then the app;
 afterwards request metrics. Anything the app lets escape becomes a sanitised 500 here, with
 the traceback in the server log only.
 """
@@ -15,6 +16,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 from .admission import client_deadline, parse_client_timeout, request_arrival
 from .errors import (BodyTimeout, ClientGone, InternalError, PayloadTooLarge, ServiceError, Unauthorized,
@@ -27,24 +29,30 @@ log = logging.getLogger("yoso_serve.service")
 # part-way holds a connection and an in-flight slot until then, and gets a 408.
 BODY_IDLE_TIMEOUT_S = 60.0
 
+# The OpenAPI tag of the routes that only run the tokenizer: never refused for the model's queue.
+TOKENIZER_TAG = "tokenizer"
+
 @dataclass(frozen=True)
 class RouteTable:
     """The app's routes as the edge sorts them, read from what the app registered (:meth:`of`)."""
 
-    work: frozenset[str]  # model work: counted in flight, may carry x-request-timeout
+    work: frozenset[str]  # POST routes: counted in flight, may carry x-request-timeout
+    model: frozenset[str]  # work that queues the model: admitted at the edge
     open: frozenset[str]  # answered without the API key
     known: frozenset[str]  # metric labels; any other path is "other"
 
     @classmethod
     def of(cls, app) -> "RouteTable":
-        """Every POST route is work (each queues model work). Open: the routes that declare no security
+        """Every POST route is work; model work unless tagged ``tokenizer`` (/tokenize, /decode). Open: the
+        routes that declare no security
         (``openapi_extra={"security": []}``: the probes and the scrape, documented in docs/api.md) and
         FastAPI's own docs routes (the ones left out of the schema)."""
         routes = [r for r in app.routes if getattr(r, "methods", None)]
         work = {r.path for r in routes if "POST" in r.methods}
         open_ = {r.path for r in routes if not r.include_in_schema
                  or (getattr(r, "openapi_extra", None) or {}).get("security") == []}
-        return cls(frozenset(work), frozenset(open_), frozenset(r.path for r in routes))
+        model = {r.path for r in routes if "POST" in r.methods and TOKENIZER_TAG not in (r.tags or ())}
+        return cls(frozenset(work), frozenset(model), frozenset(open_), frozenset(r.path for r in routes))
 
 
 def _request_id(raw: bytes | None) -> str:
@@ -58,8 +66,9 @@ def _request_id(raw: bytes | None) -> str:
 
 class EdgeMiddleware:
     def __init__(self, app, *, routes: RouteTable, api_key: str | None, payload_limit: int,
-                 metrics: ServiceMetrics) -> None:
+                 metrics: ServiceMetrics, admit: Callable[[], None] | None = None) -> None:
         self.app = app
+        self.admit = admit
         self.routes = routes
         self._key = api_key.encode() if api_key else None
         self.payload_limit = payload_limit
@@ -98,6 +107,8 @@ class EdgeMiddleware:
             body = b""
             if error is None:
                 body, error = await self._read_body(headers, receive)
+            if error is None and path in self.routes.model and self.admit is not None:
+                error = self._refusal()
             if error is not None:
                 await self._send_error(error, send_with_id)
             else:
@@ -127,6 +138,15 @@ class EdgeMiddleware:
             return Unauthorized("missing API key: send `Authorization: Bearer <key>`")
         if not hmac.compare_digest(token.strip(), self._key):
             return Unauthorized("wrong API key")
+        return None
+
+    def _refusal(self) -> ServiceError | None:
+        """The queue's 429 for this request, decided before the app parses it (None: admitted so far; the
+        engine checks again, with the request's own tokens, once it has them)."""
+        try:
+            self.admit()
+        except ServiceError as exc:
+            return exc
         return None
 
     @staticmethod
@@ -167,6 +187,7 @@ class EdgeMiddleware:
     @staticmethod
     async def _send_error(exc: ServiceError, send) -> None:
         status, headers, body = error_response_parts(exc)
+        headers = [*headers, (b"content-length", str(len(body)).encode())]  # not chunked: the length is known
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 

@@ -121,6 +121,12 @@ class BatchScheduler:
     def start(self) -> None:
         self._thread.start()
 
+    def admit(self, budget: float) -> None:
+        """Raise Overloaded (429) when the queue ahead, with the requests being tokenised before it, is
+        predicted to outlast ``budget`` seconds: the check of :meth:`checked`, for a request not read yet."""
+        with self._cond:
+            self._admit(budget, None)
+
     @contextmanager
     def checked(self, budget: float, chars: int):
         """Around the tokenisation of a request of ``chars`` characters: raise Overloaded (429) at

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from .engine import Engine
+from .middleware import TOKENIZER_TAG
 from .errors import InvalidInput, MalformedRequest, NotReady, empty_body
 from .protocol import (DecodeRequest, EmbedRequest, PredictRequest, Rank, RerankRequest, ScoredLabel,
                        SimilarityRequest, ZeroShotRequest)
@@ -163,7 +164,7 @@ def add_tei_routes(app: FastAPI, engine: Engine) -> None:
         usage.inference_ms += query.usage.inference_ms
         return json_response(ranks, usage)
 
-    @app.post("/decode", response_model=list[str], responses=ERRORS)
+    @app.post("/decode", response_model=list[str], responses=ERRORS, tags=[TOKENIZER_TAG])
     async def decode(body: DecodeRequest) -> Response:
         """Token ids back to text (the inverse of /tokenize)."""
         return json_response(await engine.decode(body.batch(), body.skip_special_tokens))

@@ -173,6 +173,7 @@ def test_scheduler_measures_every_batch_but_the_first_and_counts_the_running_one
 # --- the engine, with a model of known speed ------------------------------------------------------
 SECONDS_PER_TOKEN = 0.1 / 8  # one 8-token input: 0.1 s
 TEXT = "one two three four five six"  # 8 tokens with the specials
+JSON = {"content-type": "application/json"}
 
 
 def known_speed_loader(path):
@@ -266,3 +267,44 @@ def test_client_deadline_header_lowers_the_limit_but_never_raises_it(tiny_dir, s
     assert capped.status_code == 429 and 0.90 < deadline(capped) <= 1.00  # request_timeout, not the header's 100
     assert bad.status_code == 422 and bad.json()["error"]["param"] == "x-request-timeout"
     assert [r.status_code for r in rest] == [200] * 7
+
+
+def test_a_saturated_server_refuses_model_work_before_parsing_it_and_still_tokenizes(tiny_dir, serve):
+    soon = {"x-request-timeout": "0.2"}
+
+    async def main():
+        async with _serve_known_speed(serve, tiny_dir) as c:
+            for _ in range(4):  # the estimate learns from real batches
+                await c.post("/embed", json={"inputs": TEXT})
+            background = [asyncio.create_task(c.post("/embed", json={"inputs": TEXT})) for _ in range(6)]
+            await asyncio.sleep(0.15)  # ~0.45 s of work ahead now, over a 0.2 s deadline's 0.16 s limit
+            unread = await c.post("/embed", content=b'{"inputs": ["never parsed', headers={**JSON, **soon})
+            openai = await c.post("/v1/embeddings", json={"input": TEXT}, headers=soon)
+            tokens = await c.post("/tokenize", json={"inputs": TEXT}, headers=soon)
+            decoded = await c.post("/decode", json={"ids": [101, 102]}, headers=soon)
+            return unread, openai, tokens, decoded, await asyncio.gather(*background)
+
+    unread, openai, tokens, decoded, background = asyncio.run(main())
+    # the edge answered from the queue alone: the body's JSON error was never reached
+    assert unread.status_code == 429 and unread.json()["error"]["code"] == "predicted_wait", unread.text
+    assert int(unread.headers["retry-after"]) >= 1 and int(unread.headers["content-length"]) == len(unread.content)
+    assert openai.status_code == 429
+    assert tokens.status_code == 200 and decoded.status_code == 200  # the tokenizer's routes never queue the model
+    assert [r.status_code for r in background] == [200] * 6  # accepted work is never dropped
+
+    async def idle():  # with nothing queued, the same body meets its own error: the edge only ever answers 429
+        async with _serve_known_speed(serve, tiny_dir) as c:
+            return await c.post("/embed", content=b'{"inputs": ["never parsed', headers={**JSON, **soon})
+
+    assert asyncio.run(idle()).status_code == 400
+
+
+def test_the_edge_admits_every_route_that_queues_the_model_and_no_other(tiny_dir):
+    from yoso_serve.service.app import create_app
+    from yoso_serve.service.middleware import RouteTable
+    from yoso_serve.service.settings import ServeSettings
+
+    routes = RouteTable.of(create_app(ServeSettings(model=str(tiny_dir))))
+    assert routes.model == routes.work - {"/tokenize", "/decode"}
+    assert {"/embed", "/embed_all", "/embed_pieces", "/classify", "/v1/embeddings", "/", "/predict", "/similarity",
+            "/rerank"} <= routes.model

@@ -306,3 +306,16 @@ def test_the_forward_runs_below_the_event_loop_and_its_openmp_team_with_it(yoso_
             assert set(nices.values()) == {base}, nices
         else:  # the batcher and its one OpenMP worker (2 threads), nothing else
             assert sorted(n for n in nices.values() if n != base) == [lowered, lowered], nices
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="a process's loaded libraries are read from Linux's /proc")
+def test_the_server_parses_http_with_httptools(yoso_server):
+    """uvicorn runs httptools' C parser (service/cli.py HTTP_PARSER), never a silent fall back to h11, which
+    cost the event loop as much per refused request as the app itself."""
+    proc, url = yoso_server.start()
+    try:
+        assert httpx.post(f"{url}/embed", json={"inputs": "parsed in C"}, timeout=60).status_code == 200
+        libraries = Path(f"/proc/{proc.pid}/maps").read_text()
+    finally:
+        yoso_server.stop(proc)
+    assert re.search(r"/httptools/parser/parser\.[^/\s]*\.so$", libraries, flags=re.M), "httptools is not loaded"
