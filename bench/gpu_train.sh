@@ -41,7 +41,8 @@ case "${1:-}" in
       exclude="$(git -C "$ROOT" rev-parse --path-format=absolute --git-common-dir)/info/exclude"
       grep -qx '/.kit/' "$exclude" 2>/dev/null || echo '/.kit/' >>"$exclude"
     fi
-    du -sh "$KIT"
+    # the training call carries the tree and the kit, nothing else (never .whl): 64 MiB in all
+    "$PY" "$ROOT/bench/travel.py" --root "$ROOT" --carry "$KIT" || { echo "gpu_train.sh: the kit does not fit" >&2; exit 5; }
     exit 0 ;;
   --unpack)
     src=${2:-} dest=${3:-}
