@@ -11,7 +11,7 @@
 # fit. So the run distils short texts towards the frozen starting model (`--teacher init`) instead
 # of the teacher: it starts from the bundle, whose short-text retrieval is the teacher's (1.00x on
 # the mixed packages). What comes back is capped at 8 files of 16 MiB: the fp16 weights (~45 MB) in
-# 15 MiB parts, the config, the metrics and the log.
+# 15 MiB parts and their sha256 (--unpack checks it), the config, the metrics and the log.
 #
 # Environment: GPU_TRAIN_BUDGET (290 s for the whole call), GPU_TRAIN_MINUTES (what the budget leaves: training time before the checkpoint), GPU_TRAIN_STEPS (2000: the
 # schedule's length; the run stops at the minutes), GPU_TRAIN_BATCH (16 documents a step),
@@ -30,6 +30,7 @@ xzcopy() { "$PY" -c 'import lzma, shutil, sys
 opener = (open, lzma.open) if sys.argv[3:] else (lzma.open, open)
 with opener[0](sys.argv[1], "rb") as src, opener[1](sys.argv[2], "wb") as dst:
     shutil.copyfileobj(src, dst, 1 << 20)' "$@"; }
+sha256() { "$PY" -c 'import hashlib, sys; print(hashlib.file_digest(open(sys.argv[1], "rb"), "sha256").hexdigest())' "$1"; }
 
 case "${1:-}" in
   --kit)
@@ -52,6 +53,11 @@ case "${1:-}" in
     bundled=$("$PY" -c 'from yoso_serve.model.default import bundled_model_dir; print(bundled_model_dir())') || exit 1
     mkdir -p "$dest" && cp "$bundled"/* "$dest"/ && rm -f "$dest/MODEL_CARD.md" "$dest/training.json"
     cat "$src"/model.safetensors.part-* >"$dest/model.safetensors" && cp "$src/config.json" "$dest/config.json"
+    if [ -f "$src/model.safetensors.sha256" ] && [ "$(sha256 "$dest/model.safetensors")" != "$(cat "$src/model.safetensors.sha256")" ]; then
+      echo "gpu_train.sh: the parts in $src do not reassemble to the saved weights (sha256 differs)" >&2
+      rm -rf "$dest"
+      exit 6
+    fi
     echo "$dest: $(du -sh "$dest/model.safetensors" | cut -f1) of weights"
     exit 0 ;;
   "") ;;
@@ -109,9 +115,11 @@ rc=${PIPESTATUS[0]}
 model=$WORK/run/model
 if [ -f "$model/model.safetensors" ]; then
   split -b 15M -d -a 1 "$model/model.safetensors" "$OUTDIR/model.safetensors.part-"
+  sha256 "$model/model.safetensors" >"$OUTDIR/model.safetensors.sha256"  # --unpack checks the parts against it
   cp "$model/config.json" "$OUTDIR/config.json"
   cp "$WORK/run/metrics.jsonl" "$OUTDIR/metrics.jsonl" 2>/dev/null
 fi
 ls -l "$OUTDIR"
 rm -rf "$WORK"
+echo "gpu_train.sh: done in $SECONDS s (GPU_TRAIN_BUDGET ${GPU_TRAIN_BUDGET:-290} s)"
 exit "$rc"
