@@ -81,7 +81,7 @@ def test_kit_train_and_unpack_give_a_model_that_embeds(tmp_path):
     assert len(parts) >= 2 and all(p.stat().st_size <= 16 << 20 for p in parts)
     assert len(list(out.iterdir())) <= 8  # the device tool brings back 8 files at most
     whole = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()
-    assert (out / "model.safetensors.sha256").read_text().strip() == whole  # the saved checkpoint's
+    assert log.splitlines()[-1] == f"weights sha256 {whole}"  # the saved checkpoint's
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [e["step"] for e in events if e.get("event") == "train"]
     assert steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) < 1000
