@@ -3,8 +3,9 @@
 B=1, H=12, D=64, τ=8 by default; YOSO-m for m in ``--hashes`` (default 16, 32, 64) and SDPA
 with the flash backend, in the same process. For every N: forward and forward+backward time
 (CUDA events, median of ``--repeats`` after warm-up) and peak extra memory
-(``torch.cuda.max_memory_allocated`` above the inputs), plus the deterministic mode's cost for
-YOSO-32. The cumulation kernel alone is also timed, and its compulsory traffic (codes, V
+(``torch.cuda.max_memory_allocated`` above the inputs); YOSO runs the default sorted table build
+(no float atomics), and YOSO-32 also the atomic build it replaced (``yoso-32-atomic``, opted in with
+YOSO_CUDA_TABLES=atomic), which stays only if it is measured faster. The cumulation kernel alone is also timed, and its compulsory traffic (codes, V
 and the output, each read or written once) is divided by the bandwidth of a device-to-device
 copy measured in the same run: the fraction of the memory bandwidth the kernel achieves. Hash
 codes are timed three ways (int8 in one kernel, int8 as quantize + GEMM + pack, the fp32 rotation)
@@ -19,6 +20,7 @@ Runs only with CUDA (exits with a message otherwise):
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -81,15 +83,22 @@ def sdpa_fns(q, k, v):
     return forward, train
 
 
-def yoso_fns(q, k, v, hashes: int, bits: int, deterministic: bool = False):
+def yoso_fns(q, k, v, hashes: int, bits: int, atomic: bool = False):
+    """(forward, forward+backward) of yoso_attention; atomic: the atomic table build (the opt-in)."""
+    from yoso_serve.kernels._cuda import TABLES_ENV
+
     args = dict(num_hashes=hashes, hash_bits=bits, backend="cuda")
 
     def run(fn):
-        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        before = os.environ.pop(TABLES_ENV, None)
+        if atomic:
+            os.environ[TABLES_ENV] = "atomic"
         try:
             return fn()
         finally:
-            torch.use_deterministic_algorithms(False)
+            os.environ.pop(TABLES_ENV, None)
+            if before is not None:
+                os.environ[TABLES_ENV] = before
 
     def forward():
         with torch.no_grad():
@@ -103,13 +112,16 @@ def yoso_fns(q, k, v, hashes: int, bits: int, deterministic: bool = False):
 
 
 def kernel_row(ext, n: int, heads: int, dim: int, hashes: int, bits: int, repeats: int, bandwidth: float) -> dict:
-    """The cumulation kernel alone on fp32 V: time and achieved fraction of copy bandwidth."""
+    """The cumulation kernel alone on fp32 V (sorted tables, the default; and atomic): time and achieved
+    fraction of copy bandwidth."""
     x = F.normalize(torch.randn(1, heads, n, dim, device="cuda"), dim=-1)
     codes = hash_codes(x, num_hashes=hashes, hash_bits=bits).view(heads, hashes, n)
     v = torch.randn(heads, n, dim, device="cuda")
-    ms = timed(lambda: ext.lsh_cumulate_cuda(codes, codes, v, bits, False), repeats)
+    ms = timed(lambda: ext.lsh_cumulate_cuda(codes, codes, v, bits, True), repeats)
+    atomic_ms = timed(lambda: ext.lsh_cumulate_cuda(codes, codes, v, bits, False), repeats)
     compulsory = 2 * codes.numel() * 4 + 2 * v.numel() * 4  # q and k codes, V in, output out
-    return {"n": n, "hashes": hashes, "ms": ms, "fraction": compulsory / (ms / 1e3) / bandwidth}
+    return {"n": n, "hashes": hashes, "ms": ms, "atomic_ms": atomic_ms,
+            "fraction": compulsory / (ms / 1e3) / bandwidth}
 
 
 # (batch, heads, N, D): the bench's heads at two lengths, and the bundled model's (8 documents of 4096
@@ -181,7 +193,7 @@ def main() -> None:
         q, k, v = (torch.randn(1, args.heads, n, args.dim, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
         methods = [("sdpa-flash", *sdpa_fns(q, k, v))]
         methods += [(f"yoso-{m}", *yoso_fns(q, k, v, m, args.hash_bits)) for m in args.hashes]
-        methods.append(("yoso-32-det", *yoso_fns(q, k, v, 32, args.hash_bits, deterministic=True)))
+        methods.append(("yoso-32-atomic", *yoso_fns(q, k, v, 32, args.hash_bits, atomic=True)))
         for name, forward, train in methods:
             row = {"n": n, "method": name, "fwd_ms": timed(forward, args.repeats)}
             row["fwd_mib"] = peak_mib(forward)
@@ -242,11 +254,11 @@ def print_tables(rows: list[dict], kernels: list[dict], device: str) -> None:
         base = sdpa[r["n"]]
         print(f"| {r['n']} | {r['method']} | {r['fwd_ms']:.3f} | {r['train_ms']:.3f} | {r['fwd_mib']:.0f} | "
               f"{r['train_mib']:.0f} | {base['fwd_ms'] / r['fwd_ms']:.2f}× | {base['train_ms'] / r['train_ms']:.2f}× |")
-    print("\n### Cumulation kernel (m=32, fp32 V, compulsory bytes / copy bandwidth)\n")
-    print("| N | ms | fraction of bandwidth |")
-    print("|---:|---:|---:|")
+    print("\n### Cumulation kernel (m=32, fp32 V, sorted tables; compulsory bytes / copy bandwidth)\n")
+    print("| N | ms | fraction of bandwidth | atomic tables ms |")
+    print("|---:|---:|---:|---:|")
     for r in kernels:
-        print(f"| {r['n']} | {r['ms']:.3f} | {r['fraction']:.0%} |")
+        print(f"| {r['n']} | {r['ms']:.3f} | {r['fraction']:.0%} | {r['atomic_ms']:.3f} |")
 
 
 def print_targets(rows: list[dict]) -> None:

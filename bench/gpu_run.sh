@@ -15,10 +15,11 @@
 # .git/info/exclude must ignore and the call must carry; without them the serve step is skipped.
 #
 # Steps: build   the CUDA extension for this GPU only, and backend_info()
-#        tests   tests/kernels/test_cuda.py (its own compute-sanitizer memcheck/racecheck cases too)
+#        tests   tests/kernels/test_cuda.py (its own compute-sanitizer memcheck/racecheck cases too),
+#                test_cuda_batch_bits.py (a text's bits alone vs padded in a batch)
 #                and the fp16 YOSO core test of tests/zoo/test_cores.py
 #        sanitize compute-sanitizer memcheck over test_cuda.py's oracle cases (whole pytest run)
-#        attention bench/attention_cuda.py: YOSO-32 (atomic and deterministic) vs SDPA flash,
+#        attention bench/attention_cuda.py: YOSO-32 (sorted tables, and the atomic opt-in) vs SDPA flash,
 #                and where YOSO-32's kernel time goes at 8192 and 65536 tokens
 #        model   the default model's docs/s at 4096 tokens in fp16: YOSO-32, YOSO-E (the op, and
 #                the fused FlexAttention kernel) vs the same weights with softmax (SDPA) attention
@@ -88,8 +89,8 @@ for name in sys.argv[1:]:
   [ "$DRY" = 1 ] && exit 0
   exclude="$(git -C "$ROOT" rev-parse --path-format=absolute --git-common-dir)/info/exclude"
   grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"  # travels only when carried
-  du -sh "$ROOT/.whl"
-  exit 0
+  "${PIP[0]}" "$ROOT/bench/travel.py" --root "$ROOT" --carry .whl  # never with .kit: 64 MiB in all
+  exit
 fi
 
 if [ "$LINK_FACTS" = 1 ]; then
@@ -228,7 +229,7 @@ SUMMARY=/tmp/gpu_run_summary.tsv  # not under $OUT: the device tool brings back 
 step_cmd() {  # the shell command of one step (run from $ROOT with the environment set below)
   case "$1" in
     build) echo "\$PY -c 'import json; from yoso_serve.kernels import _build; i = _build.backend_info(); print(json.dumps(i)); raise SystemExit(i[\"backend\"] != \"cuda\")' && bash bench/gpu_run.sh --link-facts" ;;
-    tests) echo "\$PY -m pytest -q tests/kernels/test_cuda.py tests/kernels/test_flex.py::test_flex_on_cuda_equals_exact_mode tests/zoo/test_cores.py::test_yoso_core_in_fp16_normalises_before_the_sum_can_overflow" ;;
+    tests) echo "\$PY -m pytest -q tests/kernels/test_cuda.py tests/kernels/test_cuda_batch_bits.py tests/kernels/test_flex.py::test_flex_on_cuda_equals_exact_mode tests/zoo/test_cores.py::test_yoso_core_in_fp16_normalises_before_the_sum_can_overflow" ;;
     sanitize) echo "\$SANITIZER --tool=memcheck --error-exitcode=3 \$PY -m pytest -q -x tests/kernels/test_cuda.py -k 'equals_torch_op or batch_invariance or out_of_range'" ;;
     attention) echo "\$PY bench/attention_cuda.py --lengths 1024 8192 32768 65536 --hashes 32 --repeats 5 --plot \$OUTDIR/attention_cuda.png --profile 8192 65536" ;;
     model) echo "\$PY -c \"\$MODEL_PY\"" ;;

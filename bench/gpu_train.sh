@@ -10,8 +10,8 @@
 # wide training corpus 62 MB as JSONL and ~13 MB as xz, and the teacher's weights (88 MB) do not
 # fit. So the run distils short texts towards the frozen starting model (`--teacher init`) instead
 # of the teacher: it starts from the bundle, whose short-text retrieval is the teacher's (1.00x on
-# the mixed packages). What comes back is capped at 8 files of 16 MiB: the fp16 weights (~45 MB) in
-# 15 MiB parts, the config, the metrics and the log.
+# the mixed packages). What comes back is capped at 8 files of 16 MiB: the fp16 weights (~48 MB) in
+# 15 MiB parts, the config, the metrics and the log (its last line the weights' sha256, which --unpack checks).
 #
 # Environment: GPU_TRAIN_BUDGET (290 s for the whole call), GPU_TRAIN_MINUTES (what the budget leaves: training time before the checkpoint), GPU_TRAIN_STEPS (2000: the
 # schedule's length; the run stops at the minutes), GPU_TRAIN_BATCH (16 documents a step),
@@ -30,6 +30,7 @@ xzcopy() { "$PY" -c 'import lzma, shutil, sys
 opener = (open, lzma.open) if sys.argv[3:] else (lzma.open, open)
 with opener[0](sys.argv[1], "rb") as src, opener[1](sys.argv[2], "wb") as dst:
     shutil.copyfileobj(src, dst, 1 << 20)' "$@"; }
+sha256() { "$PY" -c 'import hashlib, sys; print(hashlib.file_digest(open(sys.argv[1], "rb"), "sha256").hexdigest())' "$1"; }
 
 case "${1:-}" in
   --kit)
@@ -41,7 +42,8 @@ case "${1:-}" in
       exclude="$(git -C "$ROOT" rev-parse --path-format=absolute --git-common-dir)/info/exclude"
       grep -qx '/.kit/' "$exclude" 2>/dev/null || echo '/.kit/' >>"$exclude"
     fi
-    du -sh "$KIT"
+    # the training call carries the tree and the kit, nothing else (never .whl): 64 MiB in all
+    "$PY" "$ROOT/bench/travel.py" --root "$ROOT" --carry "$KIT" || { echo "gpu_train.sh: the kit does not fit" >&2; exit 5; }
     exit 0 ;;
   --unpack)
     src=${2:-} dest=${3:-}
@@ -51,6 +53,12 @@ case "${1:-}" in
     bundled=$("$PY" -c 'from yoso_serve.model.default import bundled_model_dir; print(bundled_model_dir())') || exit 1
     mkdir -p "$dest" && cp "$bundled"/* "$dest"/ && rm -f "$dest/MODEL_CARD.md" "$dest/training.json"
     cat "$src"/model.safetensors.part-* >"$dest/model.safetensors" && cp "$src/config.json" "$dest/config.json"
+    want=$(sed -n 's/^weights sha256 //p' "$src/train.log" 2>/dev/null | tail -n 1)
+    if [ -n "$want" ] && [ "$(sha256 "$dest/model.safetensors")" != "$want" ]; then
+      echo "gpu_train.sh: the parts in $src do not reassemble to the saved weights (sha256 differs)" >&2
+      rm -rf "$dest"
+      exit 6
+    fi
     echo "$dest: $(du -sh "$dest/model.safetensors" | cut -f1) of weights"
     exit 0 ;;
   "") ;;
@@ -108,9 +116,12 @@ rc=${PIPESTATUS[0]}
 model=$WORK/run/model
 if [ -f "$model/model.safetensors" ]; then
   split -b 15M -d -a 1 "$model/model.safetensors" "$OUTDIR/model.safetensors.part-"
+  # in the log, not a file of its own: 4 parts and 4 files already make the 8 files the device tool brings back
+  echo "weights sha256 $(sha256 "$model/model.safetensors")" | tee -a "$OUTDIR/train.log"  # --unpack checks it
   cp "$model/config.json" "$OUTDIR/config.json"
   cp "$WORK/run/metrics.jsonl" "$OUTDIR/metrics.jsonl" 2>/dev/null
 fi
 ls -l "$OUTDIR"
 rm -rf "$WORK"
+echo "gpu_train.sh: done in $SECONDS s (GPU_TRAIN_BUDGET ${GPU_TRAIN_BUDGET:-290} s)"
 exit "$rc"

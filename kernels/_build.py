@@ -176,12 +176,15 @@ def backend_info() -> dict:
     """Which attention backend is in use and why (builds the extensions on first call).
 
     Returns ``{"backend": "cuda"|"cpp"|"torch", "reason": str, "openmp_threads": int,
-    "cuda": bool, "cuda_reason": str, "cuda_toolkit": str}``: "cuda" when torch sees a GPU and
-    the CUDA extension built, else "cpp" when the CPU extension built, else "torch".
+    "cuda": bool, "cuda_reason": str, "cuda_toolkit": str, "cuda_tables": str}``: "cuda" when torch
+    sees a GPU and the CUDA extension built, else "cpp" when the CPU extension built, else "torch".
     ``openmp_threads`` is the thread count the OpenMP kernels (and torch's CPU ops) will use;
     ``cuda_toolkit`` says which CUDA toolkit a CUDA build uses and how it was found, or why
-    none was (:func:`find_cuda_toolkit`).
+    none was (:func:`find_cuda_toolkit`); ``cuda_tables`` how the CUDA cumulation builds its bucket
+    tables ("sorted", the default, or "atomic": :func:`._cuda.table_build`).
     """
+    from ._cuda import table_build
+
     module = cpu_extension()
     cuda_module = cuda_extension()
     threads = module.openmp_max_threads() if module is not None else torch.get_num_threads()
@@ -194,6 +197,7 @@ def backend_info() -> dict:
         "cuda": cuda_module is not None,
         "cuda_reason": _cuda_reason,
         "cuda_toolkit": f"{home} ({how})" if home is not None else f"none found ({how})",
+        "cuda_tables": table_build(),
     }
 
 

@@ -4,12 +4,20 @@ A host sync (reading a GPU value back: ``codes.max().item()``, a finiteness chec
 pipeline on every call and makes a forward impossible to capture in a CUDA graph, so none is
 made here. The binding's code-range check is skipped (``check_codes=False``): these codes
 come from the op's own hashing, in range by construction, and the kernels treat any code
-≥ 2^τ as masked rather than index out of bounds. Design notes: docs/cuda.md.
+≥ 2^τ as masked rather than index out of bounds.
+
+The forward's bucket tables (and grad V's, the same kernel with the roles swapped) are built by
+the stable sort and in-order sums, no float atomics, so a text's output has the same bits alone
+or in any batch and from run to run. ``YOSO_CUDA_TABLES=atomic`` opts in to the shared-memory
+build with float atomics (order of the adds varies), kept only so bench/attention_cuda.py can time
+it against the sorted build; ``torch.use_deterministic_algorithms(True)`` overrides it. Design
+notes: docs/cuda.md.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -17,6 +25,18 @@ from .hashing import projection_planes, check_int8_dim, padded_dim, quantize_row
 
 MAX_ROTATE_DIM = 2048  # kYosoMaxRotateDim in csrc/yoso_cuda.h: the rotation kernel's P limit
 MAX_INT8_KERNEL_DIM = 64  # kYosoMaxInt8KernelDim in csrc/yoso_cuda.h: the int8 hash kernel's D limit
+TABLES_ENV = "YOSO_CUDA_TABLES"
+TABLE_BUILDS = ("sorted", "atomic")
+
+
+def table_build() -> str:
+    """How the CUDA cumulation builds its bucket tables: "sorted" (the default: no float atomics,
+    bit-identical alone or in a batch) or "atomic" (opted in with YOSO_CUDA_TABLES=atomic, for the
+    GPU bench's comparison); ValueError naming the choices for anything else."""
+    chosen = os.environ.get(TABLES_ENV, "").strip().lower() or "sorted"
+    if chosen not in TABLE_BUILDS:
+        raise ValueError(f"{TABLES_ENV} must be one of {TABLE_BUILDS}, got {os.environ[TABLES_ENV]!r}")
+    return chosen
 
 
 @functools.lru_cache(maxsize=64)
@@ -34,9 +54,11 @@ def cuda_ops(ext, gemm_codes):
     ``hash_int8_cuda`` up to D = 64 (rows quantized, projected on the int8 planes and packed in one
     kernel) and past that quantizes the rows and sends them to the same GEMM and packing, giving
     ``hash_codes(int8=True)``'s codes either way. cumulate reads v in its own dtype (fp16/bf16 kernels, fp32 sums) and
-    follows ``torch.use_deterministic_algorithms``; weighted needs one dtype for its three
-    inputs, and the backward mixes fp32 gradients with v, so mixed inputs go to fp32.
+    builds sorted tables unless :func:`table_build` (read here, once per set of ops) says "atomic" and
+    ``torch.use_deterministic_algorithms`` is off; weighted (always sorted, no atomics) needs one dtype
+    for its three inputs, and the backward mixes fp32 gradients with v, so mixed inputs go to fp32.
     """
+    atomic = table_build() == "atomic"
 
     def codes(x, num_hashes, hash_bits, seed, fast_hash, int8=False):
         if int8:
@@ -58,7 +80,7 @@ def cuda_ops(ext, gemm_codes):
         return ext.hash_rotate_cuda(rows, signs, hash_bits).view(batch, heads, num_hashes, length)
 
     def cumulate(q_codes, k_codes, v, hash_bits):
-        deterministic = torch.are_deterministic_algorithms_enabled()
+        deterministic = not atomic or torch.are_deterministic_algorithms_enabled()
         return ext.lsh_cumulate_cuda(q_codes, k_codes, v, hash_bits, deterministic, False)
 
     def weighted(q_codes, k_codes, q_w, k_w, v, hash_bits):

@@ -356,8 +356,7 @@ torch::Tensor fast_hash_codes_cuda(const torch::Tensor& x, const torch::Tensor& 
 torch::Tensor lsh_cumulate(const torch::Tensor& q_codes, const torch::Tensor& k_codes, const torch::Tensor& v,
                            int64_t hash_bits) {
 #ifdef WITH_CUDA
-  if (v.is_cuda())
-    return lsh_cumulate_cuda(q_codes, k_codes, v, hash_bits, at::globalContext().deterministicAlgorithms(), true);
+  if (v.is_cuda()) return lsh_cumulate_cuda(q_codes, k_codes, v, hash_bits, true, true);  // sorted tables
 #endif
   yoso::CumulateParams p = check_common(q_codes, k_codes, v, hash_bits);
   torch::Tensor out = torch::zeros({p.bh, p.nq, p.dv}, v.options());
@@ -451,9 +450,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed") = py::none());
 #ifdef WITH_CUDA
   m.def("lsh_cumulate_cuda", &lsh_cumulate_cuda,
-        "(q_codes, k_codes, v, hash_bits, deterministic=False, check_codes=True) -> (BH, Nq, Dv) fp32 on v's "
-        "CUDA device; check_codes=False: no host sync (codes >= 2^hash_bits then count as masked)",
-        py::arg("q_codes"), py::arg("k_codes"), py::arg("v"), py::arg("hash_bits"), py::arg("deterministic") = false,
+        "(q_codes, k_codes, v, hash_bits, deterministic=True, check_codes=True) -> (BH, Nq, Dv) fp32 on v's "
+        "CUDA device; deterministic=False: bucket tables by shared-memory float atomics (the bench's opt-in); "
+        "check_codes=False: no host sync (codes >= 2^hash_bits then count as masked)",
+        py::arg("q_codes"), py::arg("k_codes"), py::arg("v"), py::arg("hash_bits"), py::arg("deterministic") = true,
         py::arg("check_codes") = true);
   m.def("lsh_weighted_cumulate_cuda", &lsh_weighted_cumulate_cuda,
         "(q_codes, k_codes, q_w, k_w, v, hash_bits, check_codes=True) -> (BH, Nq, Dv) fp32 on v's CUDA device "

@@ -43,8 +43,9 @@ struct YosoCumulateParams {
   int64_t bh, m, nq, nk, dv, dw;
   int hash_bits;
   // Forward only: build bucket tables by a stable bucket sort and in-order sums instead of
-  // float atomics, so the output is bit-identical from run to run. The weighted cumulation
-  // is always deterministic.
+  // float atomics, so the output is bit-identical from run to run. Every caller in the project
+  // sets it (false only where the GPU bench opts in to the atomic build). The weighted
+  // cumulation is always deterministic.
   bool deterministic;
   void* workspace;  // device scratch of yoso_*_workspace_bytes(params) bytes, 256-byte aligned
 };

@@ -2,7 +2,8 @@
 documented kernel contracts in PyTorch on the CPU (the real kernels: test_cuda.py, on a GPU).
 
 Checked here without a GPU: the hot path asks the binding for no code-range check (that check
-is a host sync), follows torch's deterministic flag, keeps v in fp16/bf16, sends mixed dtypes of
+is a host sync), builds sorted tables (no float atomics) in the forward and in the backward unless
+YOSO_CUDA_TABLES=atomic opts in, keeps v in fp16/bf16, sends mixed dtypes of
 the backward's weighted op to fp32, and feeds hash_rotate_cuda the (H, m, 3, P) signs and
 (BH, N, D) rows whose codes equal hash_codes_ref's.
 """
@@ -12,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from yoso_serve.kernels import hash_codes_ref, hashing
-from yoso_serve.kernels._cuda import cuda_ops
+from yoso_serve.kernels import _build, hash_codes_ref, hashing
+from yoso_serve.kernels._cuda import TABLES_ENV, cuda_ops, table_build
 from yoso_serve.kernels.cumulate import lsh_cumulate, lsh_weighted_cumulate
+from yoso_serve.kernels.yoso import Kernels, YosoLSHFn
 
 
 class StandIn:
@@ -23,7 +25,7 @@ class StandIn:
     def __init__(self):
         self.calls = []
 
-    def lsh_cumulate_cuda(self, q_codes, k_codes, v, hash_bits, deterministic=False, check_codes=True):
+    def lsh_cumulate_cuda(self, q_codes, k_codes, v, hash_bits, deterministic=True, check_codes=True):
         self.calls.append(("cumulate", v.dtype, deterministic, check_codes))
         return lsh_cumulate(q_codes, k_codes, v.float(), hash_bits)
 
@@ -107,22 +109,64 @@ def test_int8_hashing_runs_the_int8_kernel_up_to_d64_and_the_gemm_past_it(fast_h
         codes(torch.randn(1, 1, 2, hashing.MAX_INT8_DIM + 1), 4, 8, 7, fast_hash, True)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_cumulate_asks_for_no_sync_keeps_half_v_and_follows_the_deterministic_flag(deterministic):
-    ext = StandIn()
-    _, cumulate, _ = cuda_ops(ext, gemm_codes)
-    gen = torch.Generator().manual_seed(1)
+def _codes_and_half_v(seed):
+    gen = torch.Generator().manual_seed(seed)
     q_codes = torch.randint(-1, 8, (2, 3, 10), generator=gen, dtype=torch.int32)
     k_codes = torch.randint(-1, 8, (2, 3, 12), generator=gen, dtype=torch.int32)
-    v = torch.randn(2, 12, 4, generator=gen).half()
+    return q_codes, k_codes, torch.randn(2, 12, 4, generator=gen).half()
+
+
+@pytest.mark.parametrize("torch_flag", [False, True])
+@pytest.mark.parametrize("tables", [None, "sorted", "atomic"])
+def test_cumulate_builds_sorted_tables_unless_atomic_is_opted_in(monkeypatch, tables, torch_flag):
+    """The default (no YOSO_CUDA_TABLES) is the sorted build, whatever torch's deterministic flag
+    says; the atomic build only with YOSO_CUDA_TABLES=atomic and the flag off. Always no host sync
+    and v kept in fp16."""
+    if tables is None:
+        monkeypatch.delenv(TABLES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TABLES_ENV, tables)
+    ext = StandIn()
+    _, cumulate, _ = cuda_ops(ext, gemm_codes)
+    q_codes, k_codes, v = _codes_and_half_v(1)
     before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(deterministic)
+    torch.use_deterministic_algorithms(torch_flag)
     try:
         out = cumulate(q_codes, k_codes, v, 3)
     finally:
         torch.use_deterministic_algorithms(before)
-    assert ext.calls == [("cumulate", torch.float16, deterministic, False)]
+    sorted_tables = tables != "atomic" or torch_flag
+    assert ext.calls == [("cumulate", torch.float16, sorted_tables, False)]
     torch.testing.assert_close(out, lsh_cumulate(q_codes, k_codes, v.float(), 3))
+
+
+def test_forward_and_backward_of_the_op_build_sorted_tables_by_default(monkeypatch):
+    """YosoLSHFn over the CUDA ops, as yoso_attention(backend="cuda") runs it with gradients: the
+    forward's cumulation and grad V's (the role-swapped one) ask for sorted tables; grad q̂ and
+    grad k̂ run the weighted op, which has no atomic build at all."""
+    monkeypatch.delenv(TABLES_ENV, raising=False)
+    ext = StandIn()
+    kernels = Kernels(*cuda_ops(ext, gemm_codes), half_values=True)
+    q_codes, k_codes, v = _codes_and_half_v(3)
+    gen = torch.Generator().manual_seed(4)
+    q, k = (torch.nn.functional.normalize(torch.randn(2, n, 4, generator=gen), dim=-1).requires_grad_()
+            for n in (10, 12))
+    v = v.float().requires_grad_()
+    YosoLSHFn.apply(q, k, v, q_codes, k_codes, 3, kernels).sum().backward()
+    assert [c for c in ext.calls if c[0] == "cumulate"] == [("cumulate", torch.float32, True, False)] * 2
+    assert [c[0] for c in ext.calls].count("weighted") == 2
+
+
+def test_table_build_refuses_an_unknown_value_and_backend_info_reports_it(monkeypatch):
+    for loader in ("cpu_extension", "cuda_extension"):  # the report without building anything
+        monkeypatch.setattr(_build, loader, lambda: None)
+    monkeypatch.delenv(TABLES_ENV, raising=False)
+    assert table_build() == "sorted" and _build.backend_info()["cuda_tables"] == "sorted"
+    monkeypatch.setenv(TABLES_ENV, " Atomic ")
+    assert table_build() == "atomic"
+    monkeypatch.setenv(TABLES_ENV, "deterministic")
+    with pytest.raises(ValueError, match="YOSO_CUDA_TABLES must be one of \\('sorted', 'atomic'\\)"):
+        cuda_ops(StandIn(), gemm_codes)
 
 
 def test_weighted_sends_mixed_dtypes_to_fp32_and_one_dtype_as_it_is():

@@ -1,18 +1,27 @@
 """The GPU plan in docs/cuda.md (issue 75) fits the 15 minutes a lent GPU gets: machine start (120 s),
 call (a), the gap between calls (30 s), call (b) and the hand-back (10 s) within 13 minutes, and each
 call's script, in its dry run, clamps every step (worst case: each runs to its limit and 10 s kill
-grace) inside its own budget, itself below the call's timeout_s."""
+grace) inside its own budget, itself below the call's timeout_s. What a call carries (the tree and its
+carry list, bench/travel.py) stays under the device tool's 64 MiB: the kit and the wheels never travel
+together, the tree leaves room for the kit, and ``gpu_train.sh --kit`` refuses a kit that does not fit."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 START, GAP, HAND_BACK = 120, 30, 10
+# The kit of the real corpus (62 MB of JSONL, xz-compressed): docs/cuda.md, "What travels".
+KIT_MIB = 13
+
+sys.path.insert(0, str(ROOT / "bench"))
+import travel  # noqa: E402  (bench/ is scripts, not a package)
 
 
 def plan_calls():
@@ -59,3 +68,36 @@ def test_call_b_keeps_its_budget_below_its_timeout():
     assert budget + 10 <= int(timeout_s)
     script = (ROOT / "bench" / "gpu_train.sh").read_text()
     assert 'timeout --kill-after=10 "$((left - 10))"' in script and "GPU_TRAIN_BUDGET" in script
+
+
+def test_no_call_carries_the_kit_and_the_wheels_together():
+    carried = [json.loads(carry) for _, carry, _ in plan_calls()]
+    assert all(not {".kit", ".whl"} <= set(c) for c in carried), carried
+    assert carried == [[], [".kit"]]  # (a) needs no wheels: serve is not among its steps
+
+
+def test_each_call_carries_under_64_mib_with_room_for_the_kit():
+    """The tree as the tool copies it plus each call's carried paths as they are here; a kit not built
+    here counts at its size in docs/cuda.md, so the tree must leave that much room."""
+    assert f"{KIT_MIB} MiB" in (ROOT / "docs" / "cuda.md").read_text()
+    for _, carry, _ in plan_calls():
+        names = json.loads(carry)
+        sizes = travel.travel(ROOT, names)
+        kit = KIT_MIB * 2**20 if ".kit" in names and not (ROOT / ".kit").exists() else 0
+        assert sizes["total"] + kit <= travel.LIMIT, (names, sizes)
+
+
+def test_the_kit_build_measures_what_travels_and_refuses_a_kit_that_does_not_fit(tmp_path):
+    docs, kit = tmp_path / "docs.jsonl", tmp_path / "kit"
+    docs.write_text("".join(json.dumps({"text": f"document {i} " * 50}) + "\n" for i in range(200)))
+    env = {**os.environ, "GPU_TRAIN_DOCS": str(docs), "GPU_TRAIN_KIT": str(kit), "PYTHON": sys.executable}
+    build = ["bash", str(ROOT / "bench" / "gpu_train.sh"), "--kit"]
+    done = subprocess.run(build, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"total: +\d+\.\d MiB", done.stdout) and "MiB to spare" in done.stdout
+    with (kit / "train_docs.jsonl.xz").open("rb") as f, __import__("lzma").open(f) as unpacked:
+        assert unpacked.read() == docs.read_bytes()
+    # a kit that leaves the tree no room: what the training call would carry is over the limit
+    (kit / "filler.bin").write_bytes(b"\0" * (travel.LIMIT - travel.tree_bytes(ROOT) + 1))
+    over = subprocess.run(build, capture_output=True, text=True, timeout=60, env=env)
+    assert over.returncode == 5 and "over the device tool's 64 MiB" in over.stderr, over.stderr

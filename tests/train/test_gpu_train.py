@@ -1,14 +1,20 @@
 """bench/gpu_train.sh, issue 16's GPU training call, run end to end on the CPU: the kit is packed, the
-script trains the bundled model for two steps (a python that claims a GPU, GPU_TRAIN_DEVICE=cpu), splits
-the weights into parts that fit what the device tool brings back, and --unpack rebuilds a model that
-loads and embeds."""
+script trains the bundled model (GPU_TRAIN_DEVICE=cpu) until its deadline stops it after a step or two,
+ends within its global budget, splits the weights into parts that fit what the device tool brings back
+(at most 16 MiB each), and --unpack rebuilds the saved checkpoint byte for byte (its sha256), a model
+that loads and embeds; parts that do not reassemble to it are refused."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import lzma
 import os
+import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,29 +44,59 @@ def test_without_a_gpu_or_a_kit_it_stops_with_one_line(tmp_path):
     assert done.returncode == 2 and "run --kit here" in done.stderr
 
 
-@pytest.mark.slow  # loads the bundled model three times and trains two steps: 15-60 s on two shared cores
+def test_a_budget_too_small_to_train_stops_before_any_work(tmp_path):
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    (kit / "train_docs.jsonl.xz").write_bytes(lzma.compress(b""))
+    env = {"PYTHON": sys.executable, "GPU_TRAIN_KIT": str(kit), "GPU_TRAIN_DEVICE": "cpu",
+           "OUT": str(tmp_path / "out"), "GPU_TRAIN_BUDGET": "80"}
+    done = run(env=env, timeout=60)
+    assert done.returncode == 4 and re.search(r"only \d+ s left of GPU_TRAIN_BUDGET", done.stderr), done.stderr
+
+
+@pytest.mark.slow  # loads the bundled model three times and trains a step or two: 15-60 s on two shared cores
 def test_kit_train_and_unpack_give_a_model_that_embeds(tmp_path):
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps(r) + "\n" for r in doc_rows(40)))  # 20 per source: the batch of 16 fits
     env = {"PYTHON": sys.executable, "GPU_TRAIN_KIT": str(tmp_path / "kit"), "GPU_TRAIN_DOCS": str(docs),
-           "GPU_TRAIN_DEVICE": "cpu", "OUT": str(tmp_path / "out"), "GPU_TRAIN_STEPS": "2",
+           "GPU_TRAIN_DEVICE": "cpu", "OUT": str(tmp_path / "out"), "GPU_TRAIN_BUDGET": "120",
+           # a schedule far longer than the deadline: about a second of training, then the checkpoint
+           "GPU_TRAIN_STEPS": "1000", "GPU_TRAIN_MINUTES": "0.02",
            "GPU_TRAIN_ARGS": "--curriculum 64:1 --short-pairs 2 --queue 4 --segment-tokens 16 --save-every 1"}
     packed = run("--kit", env=env)
     assert packed.returncode == 0, packed.stderr
     assert (tmp_path / "kit" / "train_docs.jsonl.xz").stat().st_size > 0
 
+    started = time.monotonic()
     done = run(env=env)
+    elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert elapsed < 120 and re.search(r"done in \d+ s \(GPU_TRAIN_BUDGET 120 s\)", done.stdout)
     out = tmp_path / "out"
     log = (out / "train.log").read_text()
     assert "--teacher init" in log and "RESULT rc=0" in log
     # the call's own batch (16) with a neighbourhood it fits in: stage nine's 12 would refuse it
     assert "--batch-size 16 " in log and "--neighbourhood 48 " in log
     parts = sorted(out.glob("model.safetensors.part-*"))
-    assert parts and all(p.stat().st_size <= 15 << 20 for p in parts)
+    assert len(parts) >= 2 and all(p.stat().st_size <= 16 << 20 for p in parts)
     assert len(list(out.iterdir())) <= 8  # the device tool brings back 8 files at most
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
-            if json.loads(line).get("event") == "train"] == [1, 2]
+    whole = hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()
+    assert log.splitlines()[-1] == f"weights sha256 {whole}"  # the saved checkpoint's
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [e["step"] for e in events if e.get("event") == "train"]
+    assert steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) < 1000
+    assert [e["reason"] for e in events if e.get("event") == "stop"] == ["time limit"]
+
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    with open(broken / parts[-1].name, "r+b") as f:  # one bit flipped in transfer
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    refused = run("--unpack", str(broken), str(tmp_path / "broken-model"), env=env)
+    assert refused.returncode == 6 and "do not reassemble" in refused.stderr
+    assert not (tmp_path / "broken-model").exists()
 
     dest = tmp_path / "model"
     unpacked = run("--unpack", str(out), str(dest), env=env)
