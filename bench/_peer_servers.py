@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from load import drive, free_port
+from load import drive
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
