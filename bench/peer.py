@@ -242,7 +242,8 @@ def main() -> None:
     peers = [] if args.yoso_only else parse_peers(args.peers)
     if not saved:
         print(f"{args.runs} run(s) of yoso-serve and {len(peers)} infinity configuration(s): at most about "
-              f"{estimate_s(args, peers) / 60:.0f} min (every cell at its time bound, {START_S:.0f} s a start)",
+              f"{estimate_s(args, peers) / 60:.0f} min (every cell at its time bound, {START_S:.0f} s a start), and "
+              "a minute or two for the ONNX export (once) and the floor",
               file=sys.stderr)
         saved = measure_all(args, peers, "make bench-peer ARGS=\"" + " ".join(sys.argv[1:]) + "\"")
     runs, command = saved["runs"], saved["command"]
