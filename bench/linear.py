@@ -66,6 +66,36 @@ def measure(rows: int, repeats: int) -> list[dict]:
     return out
 
 
+def dense_pass(model, batch: int, tokens: int, dense: str):
+    """A call running every dense layer of ``model`` once, as its forward runs them at ``--dense-dtype``
+    ``dense`` on a (batch, tokens) input: Q, K, V, the attention output with its residual add, the FFN's two
+    GEMMs with GELU and the residual add in their epilogues, chunked along the sequence as the layer chunks
+    them. No attention, LayerNorm, embeddings or pooling: the floor of the served forward (bench/peer.py
+    --floor)."""
+    from yoso_serve.model.encoder import YosoLayer, set_dense_dtype
+
+    set_dense_dtype(model, dense)
+    layers = [m for m in model.modules() if isinstance(m, YosoLayer)]
+    torch.manual_seed(0)
+    x = torch.randn(batch, tokens, layers[0].config.hidden_size)
+
+    def run() -> None:
+        for layer in layers:
+            for lin in (layer.attention.self.query, layer.attention.self.key, layer.attention.self.value):
+                lin(x)
+            layer.attention.output.dense.plus(x, x)
+            layer.chunked(lambda part: layer.output.dense.plus(layer.intermediate(part), part), x)
+
+    return run
+
+
+def dense_seconds(model, shapes: dict, dense: str, repeats: int) -> dict:
+    """Median seconds of one dense pass per (batch, tokens) in ``shapes`` (name → shape), interleaved."""
+    calls = {name: dense_pass(model, *shape, dense) for name, shape in shapes.items()}
+    with torch.inference_mode():
+        return alternated_medians(calls, repeats)
+
+
 def table(results: list[dict]) -> str:
     lines = ["| rows | GEMM (in → out) | aten ms | GFLOP/s | oneDNN ms | GFLOP/s | aten / oneDNN time "
              "| oneDNN bf16 ms | GFLOP/s | fp32 / bf16 time |",

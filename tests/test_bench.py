@@ -35,3 +35,82 @@ def test_overload_latencies_leave_out_the_opening_and_read_the_event_loop_wait()
         run_ns, wait_ns, slices = _overload.schedstat(os.getpid())
         assert run_ns > 0 and wait_ns >= 0 and slices > 0
     assert _overload.schedstat(2**22 + 12345) is None  # no such process
+
+
+def _cell(rate, **counters):
+    return {"rate": rate, "p50_ms": 10.0, "p95_ms": 20.0, **counters}
+
+
+def test_peer_configurations_parse_in_order_once_and_refuse_unknown_names():
+    import pytest
+    from _peer_servers import PEERS, parse_peers
+
+    assert [p.name for p in parse_peers("all")] == list(PEERS) == ["torch-fp32", "torch-bf16", "onnx"]
+    assert [p.name for p in parse_peers("onnx, torch-fp32,onnx")] == ["onnx", "torch-fp32"]
+    assert {(p.engine, p.dtype) for p in PEERS.values()} == {("torch", "float32"), ("torch", "bfloat16"),
+                                                              ("optimum", "auto")}
+    for bad in ("", "torch-fp16", "onnx,int8"):
+        with pytest.raises(ValueError, match="--peers"):
+            parse_peers(bad)
+
+
+def test_yoso_serve_is_set_against_the_best_configuration_of_each_measure_by_median():
+    from _peer_report import best_peer, tables
+    from _peer_servers import PEERS
+
+    fp32, bf16 = PEERS["torch-fp32"], PEERS["torch-bf16"]
+    # short c=1: fp32 is faster in one run of three, bf16 in the median; long windows: fp32 is the best
+    runs = [{"yoso": {"short c=1": _cell(30.0), "long one pass": _cell(4.0)},
+             fp32.key: {"short c=1": _cell(25.0), "long windows": _cell(2.0)},
+             bf16.key: {"short c=1": _cell(20.0), "long windows": _cell(1.0)}},
+            {"yoso": {"short c=1": _cell(30.0), "long one pass": _cell(4.0)},
+             fp32.key: {"short c=1": _cell(10.0), "long windows": _cell(2.0)},
+             bf16.key: {"short c=1": _cell(15.0), "long windows": _cell(1.0)}},
+            {"yoso": {"short c=1": _cell(30.0), "long one pass": _cell(5.0)},
+             fp32.key: {"short c=1": _cell(12.0), "long windows": _cell(2.5)},
+             bf16.key: {"short c=1": _cell(15.0), "long windows": _cell(1.0)}}]
+    assert best_peer(runs, [fp32, bf16], "short c=1") is bf16  # median 15 against 12
+    assert best_peer(runs, [fp32, bf16], "long windows") is fp32
+    assert best_peer(runs, [fp32, bf16], "long small windows") is None  # measured by no one
+    md = tables(runs, [fp32, bf16], [1])
+    short = next(line for line in md.splitlines() if line.startswith("| short, concurrency 1"))
+    # yoso 30 over bf16's own figure in each run (20, 15, 15), the best in bold
+    assert short == "| short, concurrency 1 (req/s) | 30.0 | 12.0 | **15.0** | **2.00×** (1.50, 2.00, 2.00) |"
+    long = next(line for line in md.splitlines() if line.startswith("| long, one pass"))
+    assert long.endswith("| 4.00 | **2.00** | 1.00 | **2.00×** (2.00, 2.00, 2.00) |")
+    pieces = next(line for line in md.splitlines() if line.startswith("| long, `/embed_pieces`"))
+    assert pieces.endswith("| — | — | — | — |")
+
+
+def test_the_floor_is_the_gemm_time_of_the_padded_tokens_served_against_the_wall_time():
+    from _peer_report import batch_shape, floor_rows, floor_share, floor_table
+
+    # 10 batches of 32 texts of 128 tokens in 2 s, 1.6 s of them in the forward
+    cell = _cell(160.0, batches=10.0, inputs=320.0, padded_tokens=40960.0, tokens=40960.0, seconds=2.0,
+                 forward_s=1.6)
+    assert batch_shape(cell) == (32, 128)
+    out = floor_share(cell, dense_s=0.1, shape=(32, 128))  # one dense pass over 32 × 128: 0.1 s
+    assert out["served_tokens_s"] == 20480.0
+    assert out["floor_tokens_s"] == 40960.0  # 10 passes, 1 s of GEMMs for the 40,960 tokens
+    assert out["share"] == 0.5 and out["forward"] == 0.8 and out["dense_in_forward"] == 0.625
+    # padding costs GEMM time but serves no tokens: half the tokens real, the same GEMM seconds
+    padded = floor_share({**cell, "tokens": 20480.0}, dense_s=0.1, shape=(32, 128))
+    assert padded["share"] == 0.5 and padded["floor_tokens_s"] == 20480.0
+    runs = [{"yoso": {"short c=32": cell}}, {"yoso": {"short c=32": {**cell, "seconds": 1.25}}}]
+    rows = floor_rows(runs, {(32, 128): 0.1})
+    assert [round(r["share"], 2) for r in rows["short c=32"]] == [0.5, 0.8]
+    line = floor_table(rows, runs).splitlines()[-1]
+    assert line.startswith("| short c=32 | 32 × 128 | 26,624 | 40,960 | **65 %** (50, 80) |")
+
+
+def test_the_peer_bench_prints_the_bound_of_its_run_time():
+    import argparse
+
+    import peer
+    from _peer_servers import PEERS
+
+    args = argparse.Namespace(runs=3, concurrency=[1, 8, 32], short_seconds=15.0, long_seconds=45.0, truncated=False)
+    # per run: yoso-serve 60 + 45 + 90 s, each of three configurations the same (two long cells)
+    assert peer.estimate_s(args, list(PEERS.values())) == 3 * 4 * 195
+    args.truncated = True  # a third long cell for each configuration
+    assert peer.estimate_s(args, list(PEERS.values())) == 3 * (195 + 3 * 240)
