@@ -7,7 +7,8 @@ client does. One run is a fresh default server driven by ``--overload-clients`` 
 fresh one by ``--baseline-clients`` (2: busy, but refusing nothing on 2 shared cores), each for
 ``--seconds``; requests in flight at the end are awaited so that every status is counted.
 With ``--before-args`` each run also drives a server started with those flags (e.g. ``--forward-nice 0``,
-the server as it was) the same way, side by side. Reported: the share of 504 answers, the p99 latency of 429
+the server as it was) the same way, side by side; ``--before-script`` starts that server from another
+checkout's venv (the code as it was), with those flags if any. Reported: the share of 504 answers, the p99 latency of 429
 answers (and of the 400/422 refusals of malformed bodies), the event loop's wait for a core (from the
 server's /proc/<pid>/task/<tid>/schedstat: run-queue time per time slice of its main thread, the profile
 that found the cause), and the accepted throughput:
@@ -222,22 +223,22 @@ def plot(rows: list[Scenario], path) -> None:
 
 
 def run(words: list[str], start_server, stop_server, *, runs: int, seconds: float, overload_clients: int,
-        baseline_clients: int, out_path, before_args: list[str] | None = None) -> None:
+        baseline_clients: int, out_path, before_args: list[str] | None = None, start_before=None) -> None:
     bodies = make_bodies(words, 512, seed=21)
-    scenarios = [("baseline", baseline_clients, []), ("overload", overload_clients, [])]
-    if before_args:  # the server as it was, driven the same way in the same run
-        scenarios.append(("overload, before", overload_clients, before_args))
+    scenarios = [("baseline", baseline_clients, [], start_server), ("overload", overload_clients, [], start_server)]
+    if before_args or start_before:  # the server as it was, driven the same way in the same run
+        scenarios.append(("overload, before", overload_clients, before_args or [], start_before or start_server))
     rows: list[Scenario] = []
     for _ in range(runs):
-        for label, clients, flags in scenarios:
-            proc, url = start_server(*flags)  # a fresh server: its estimate starts from the warm-up
+        for label, clients, flags, start in scenarios:
+            proc, url = start(*flags)  # a fresh server: its estimate starts from the warm-up
             try:
                 rows.append(asyncio.run(drive(url, label, bodies, clients, seconds, proc.pid)))
             finally:
                 stop_server(proc)
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))
-    by = {label: [r for r in rows if r.label == label] for label, _, _ in scenarios}
+    by = {label: [r for r in rows if r.label == label] for label, *_ in scenarios}
     for label in by:
         if label == "baseline":
             continue
@@ -251,7 +252,7 @@ def run(words: list[str], start_server, stop_server, *, runs: int, seconds: floa
               f"({100 * np.median([o.loop_wait_share for o in over]):.1f} % of the window), accepted req/s "
               f"{np.median([o.accepted_per_s for o in over]):.2f}, model tokens/s vs baseline {np.median(ratios):.2f} "
               f"(target >= 0.95; per run {', '.join(f'{r:.2f}' for r in ratios)})")
-    if before_args:
+    if "overload, before" in by:
         now, before = by["overload"], by["overload, before"]
         print(f"accepted req/s, now / before (per run): "
               f"{', '.join(f'{n.accepted_per_s / max(b.accepted_per_s, 1e-9):.2f}' for n, b in zip(now, before))}; "

@@ -14,6 +14,7 @@ default server, 504 share, 429 latency, accepted throughput against an unsaturat
     .venv/bin/python bench/load.py --soak 300       # plus a 5-minute RSS soak
     .venv/bin/python bench/load.py --overload --runs 3 --seconds 60
     .venv/bin/python bench/load.py --overload --runs 3 --seconds 60 --before-args="--forward-nice 0"
+    .venv/bin/python bench/load.py --overload --runs 3 --seconds 60 --before-script ../old/.venv/bin/yoso-serve
 
 Prints a markdown table and writes bench/out/load.png (load_overload.png with --overload).
 """
@@ -29,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from functools import partial
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,10 +95,10 @@ def free_port() -> int:
 READY_TIMEOUT_S = 600.0
 
 
-def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
+def start_server(*flags: str, script: Path = SCRIPT) -> tuple[subprocess.Popen, str]:
     port = free_port()
     errors = tempfile.TemporaryFile()  # the server's stderr: its last lines explain an early exit
-    proc = subprocess.Popen([str(SCRIPT), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+    proc = subprocess.Popen([str(script), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
                              *flags], stdout=subprocess.DEVNULL, stderr=errors)
     url = f"http://127.0.0.1:{port}"
     # /ready answers 503 while the model loads (the first start also builds the C++ extension, a
@@ -292,6 +294,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="overload: runs of (baseline, overload)")
     p.add_argument("--overload-clients", type=int, default=64)
     p.add_argument("--baseline-clients", type=int, default=2, help="overload: the unsaturated run's clients")
+    p.add_argument("--before-script", type=Path, help="overload: the before server is this yoso-serve (another "
+                   "checkout's .venv/bin/yoso-serve: the code as it was), with --before-args if any")
     p.add_argument("--before-args", default="", help="overload: also drive a server started with these flags "
                    "(e.g. '--forward-nice 0'), side by side in each run")
     args = p.parse_args()
@@ -304,7 +308,8 @@ def main() -> None:
         words = vocab_words(load_pretrained(default_model_dir()).tokenizer)
         _overload.run(words, start_server, stop_server, runs=args.runs, seconds=args.seconds,
                       overload_clients=args.overload_clients, baseline_clients=args.baseline_clients,
-                      out_path=OUT / "load_overload.png", before_args=args.before_args.split())
+                      out_path=OUT / "load_overload.png", before_args=args.before_args.split(),
+                      start_before=partial(start_server, script=args.before_script) if args.before_script else None)
         return
     levels = [int(c) for c in args.concurrency.split(",")]
     lengths = [int(n) for n in args.lengths.split(",")]
