@@ -7,6 +7,7 @@ together, the tree leaves room for the kit, and ``gpu_train.sh --kit`` refuses a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -20,8 +21,17 @@ START, GAP, HAND_BACK = 120, 30, 10
 # The kit of the real corpus (62 MB of JSONL, xz-compressed): docs/cuda.md, "What travels".
 KIT_MIB = 13
 
-sys.path.insert(0, str(ROOT / "bench"))
-import travel  # noqa: E402  (bench/ is scripts, not a package)
+
+def _bench_script(name: str):
+    """bench/NAME.py as a module, by its path: bench/ is scripts, not a package, and on sys.path its onnx.py
+    would shadow the onnx package for every test collected after this one."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+travel = _bench_script("travel")
 
 
 def plan_calls():
