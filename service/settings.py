@@ -96,7 +96,7 @@ class ServeSettings(BaseSettings):
         "speed of a forward where the CPU has bf16 instructions (AVX512-BF16 or AMX), embeddings within about "
         "1e-3 of fp32 and retrieval unchanged (docs/benchmarks.md, \"Dense layers\"). int8 = per-channel int8 "
         "weights, activations quantized per row, int32 sums; opt-in: about 0.998 cosine to fp32 at hashes=auto, "
-        "short-text recall@1 0.008 below fp32 on PostgreSQL's docs, not shown faster than fp32 or bf16 "
+        "short-text recall@1 0.007-0.008 below fp32 on unseen corpora, not shown faster than fp32 or bf16 "
         "(docs/benchmarks.md, \"int8 GEMMs\"). auto = bf16 on such a CPU, else fp32.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weights and activations of the torch runtime on CUDA. auto = float16 on CUDA (what "
