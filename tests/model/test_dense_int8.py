@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from yoso_serve.model import default_model_dir, encoder, load_pretrained
+from yoso_serve.model.hashes import AUTO_EXACT_BELOW
 
 
 def test_int8_linear_gives_a_row_the_same_bits_at_any_row_count_and_stays_near_fp32():
@@ -23,7 +24,7 @@ def test_int8_linear_gives_a_row_the_same_bits_at_any_row_count_and_stays_near_f
         assert cos.min() > 0.999 and not torch.equal(full, ref)
 
 
-def test_int8_bundled_model_stays_near_fp32_on_short_and_long_texts():
+def test_int8_bundled_model_stays_near_fp32_on_short_and_long_texts_at_the_served_hashes():
     model = load_pretrained(default_model_dir())
     texts = ["the quick brown fox", "stock prices fell sharply today",
              " ".join(["a long document about rivers, towns and the people who live beside them"] * 60)]
@@ -33,11 +34,14 @@ def test_int8_bundled_model_stays_near_fp32_on_short_and_long_texts():
         rows = []
         for text in texts:
             ids = torch.tensor(model.tokenizer.encode([text]))
+            hashes = 0 if ids.shape[1] < AUTO_EXACT_BELOW else None  # hashes=auto: exact short, 32 hashes long
             with torch.inference_mode():
-                rows.append(torch.nn.functional.normalize(model.embed(ids, torch.ones_like(ids)), dim=-1)[0])
+                rows.append(torch.nn.functional.normalize(model.embed(ids, torch.ones_like(ids), hashes=hashes),
+                                                          dim=-1)[0])
         out[dense] = torch.stack(rows)
     cos = (out["int8"] * out["fp32"]).sum(-1)
     print("int8 vs fp32 cosine per text:", cos.tolist())
-    # Measured (torch 2.13.0, Zen 4): 0.971 and 0.969 on the short texts, 0.997 on the long one; below the
-    # 0.995 a default would need, so int8 stays opt-in. The bound catches a broken path, not a small drift.
-    assert cos.min() > 0.96 and cos[-1] > 0.99
+    # Measured (torch 2.13.0, AMD EPYC Zen 4): 0.998 and 0.997 on the short texts (exact), 0.997 on the long one
+    # (32 hashes). At 32 hashes the short ones fall to 0.97 with int8 and to 0.98 with bf16: q and k moved
+    # across a hash plane flip codes, which a few tokens do not average out; hashes=auto never hashes them.
+    assert cos.min() > 0.995
