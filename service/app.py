@@ -47,18 +47,20 @@ def _default_loader(settings: ServeSettings) -> tuple[Callable, str]:
 
 
 def create_app(settings: ServeSettings | None = None, *, load_model: Callable | None = None,
-               model_name: str | None = None, on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+               model_name: str | None = None, on_fatal: Callable[[BaseException], None] | None = None,
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
     """Build one app with its own engine and metrics registry.
 
     ``load_model`` (tests) replaces loading from ``settings.model``; ``on_fatal`` is called when the
-    model fails to load or warm up (the CLI uses it to exit non-zero).
+    model fails to load or warm up (the CLI uses it to exit non-zero); ``on_ready`` once it has warmed up,
+    just before it turns ready (the CLI freezes the heap: :func:`.cli.freeze_heap`).
     """
     settings = settings or ServeSettings()
     if load_model is None:
         load_model, default_name = _default_loader(settings)
         model_name = model_name or default_name
     metrics = ServiceMetrics(settings.max_batch_tokens)
-    engine = Engine(settings, metrics, load_model, model_name=model_name or "model")
+    engine = Engine(settings, metrics, load_model, model_name=model_name or "model", on_ready=on_ready)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -47,8 +47,10 @@ class Engine:
     model is None until it is loaded."""
 
     def __init__(self, settings: ServeSettings, metrics: ServiceMetrics,
-                 load_model: Callable[[], LoadedModel | ServedModel], *, model_name: str) -> None:
+                 load_model: Callable[[], LoadedModel | ServedModel], *, model_name: str,
+                 on_ready: Callable[[], None] | None = None) -> None:
         self.settings = settings
+        self._on_ready = on_ready  # called once, warmed up, just before the engine turns ready
         self.metrics = metrics
         self.model_name = model_name
         self._load_model = load_model
@@ -96,6 +98,8 @@ class Engine:
             raise
         if self.state != "loading":
             return
+        if self._on_ready is not None:
+            self._on_ready()
         self.state = "ready"
         self.metrics.ready.set(1)
         log.info("ready: %s on %s, %d hashes, runtime %s, backend %s", self.model_name, self.device,
