@@ -28,6 +28,7 @@ from .settings import CPU_PADDING_TOKENS, CUDA_PADDING_TOKENS, ServeSettings, de
 # with h11 a refused request cost the event loop twice what it costs with httptools.
 HTTP_PARSER = "httptools"
 
+
 def freeze_heap() -> None:
     """Everything the server holds once warmed up (the model, the libraries, the app) lives as long as the
     process: collected once and frozen out of the collector's sight, it is never walked again. A full
