@@ -30,9 +30,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-from functools import partial
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx

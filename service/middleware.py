@@ -32,6 +32,7 @@ BODY_IDLE_TIMEOUT_S = 60.0
 # The OpenAPI tag of the routes that only run the tokenizer: never refused for the model's queue.
 TOKENIZER_TAG = "tokenizer"
 
+
 @dataclass(frozen=True)
 class RouteTable:
     """The app's routes as the edge sorts them, read from what the app registered (:meth:`of`)."""
@@ -44,14 +45,13 @@ class RouteTable:
     @classmethod
     def of(cls, app) -> "RouteTable":
         """Every POST route is work; model work unless tagged ``tokenizer`` (/tokenize, /decode). Open: the
-        routes that declare no security
-        (``openapi_extra={"security": []}``: the probes and the scrape, documented in docs/api.md) and
-        FastAPI's own docs routes (the ones left out of the schema)."""
+        routes that declare no security (``openapi_extra={"security": []}``: the probes and the scrape,
+        documented in docs/api.md) and FastAPI's own docs routes (the ones left out of the schema)."""
         routes = [r for r in app.routes if getattr(r, "methods", None)]
         work = {r.path for r in routes if "POST" in r.methods}
         open_ = {r.path for r in routes if not r.include_in_schema
                  or (getattr(r, "openapi_extra", None) or {}).get("security") == []}
-        model = {r.path for r in routes if "POST" in r.methods and TOKENIZER_TAG not in (r.tags or ())}
+        model = {r.path for r in routes if r.path in work and TOKENIZER_TAG not in (r.tags or ())}
         return cls(frozenset(work), frozenset(model), frozenset(open_), frozenset(r.path for r in routes))
 
 
