@@ -229,8 +229,10 @@ def run(words: list[str], start_server, stop_server, *, runs: int, seconds: floa
     if before_args or start_before:  # the server as it was, driven the same way in the same run
         scenarios.append(("overload, before", overload_clients, before_args or [], start_before or start_server))
     rows: list[Scenario] = []
-    for _ in range(runs):
-        for label, clients, flags, start in scenarios:
+    for i in range(runs):
+        # the two overload servers swap places every other run, so that neither always follows the baseline
+        order = scenarios if i % 2 == 0 or len(scenarios) < 3 else [scenarios[0], scenarios[2], scenarios[1]]
+        for label, clients, flags, start in order:
             proc, url = start(*flags)  # a fresh server: its estimate starts from the warm-up
             try:
                 rows.append(asyncio.run(drive(url, label, bodies, clients, seconds, proc.pid)))
@@ -257,5 +259,8 @@ def run(words: list[str], start_server, stop_server, *, runs: int, seconds: floa
         print(f"accepted req/s, now / before (per run): "
               f"{', '.join(f'{n.accepted_per_s / max(b.accepted_per_s, 1e-9):.2f}' for n, b in zip(now, before))}; "
               f"median {np.median([n.accepted_per_s / max(b.accepted_per_s, 1e-9) for n, b in zip(now, before)]):.2f}")
+        model = [n.server_tokens_per_s / max(b.server_tokens_per_s, 1e-9) for n, b in zip(now, before)]
+        print(f"model tokens/s, now / before (per run): {', '.join(f'{r:.2f}' for r in model)}; "
+              f"median {np.median(model):.2f}")
     plot(rows, out_path)
     print(f"plot: {out_path}")
