@@ -75,9 +75,10 @@ def captured_inputs(model, short) -> dict[encoder.Linear, torch.Tensor]:
     seen = {}
     for m in model.modules():
         if isinstance(m, encoder.Linear):
-            def record(x, m=m):
+            def record(x, start=None, m=m):
                 seen[m] = x.reshape(-1, x.shape[-1]).float().clone()
-                return F.linear(x.float(), m.weight, m.bias)
+                out = F.linear(x.float(), m.weight, m.bias)
+                return out if start is None else out + start
             m._int8, m.int8 = record, True
     embed(model, short, [])
     for m in seen:
