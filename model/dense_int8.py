@@ -101,8 +101,8 @@ def project(linears: list[nn.Linear], x: torch.Tensor) -> list[torch.Tensor]:
     as one product: ``x`` quantized once and one GEMM over their weights side by side, the outputs views of it.
     The same bits as one at a time (a row's quantization and each output channel's sum do not change)."""
     first = linears[0]
-    if (not (first.int8 and first._fast(x)) or any(lin.int8_smooth is not first.int8_smooth for lin in linears)
-            or len({lin.bias is None for lin in linears}) > 1):
+    if (not (all(lin.int8 for lin in linears) and first._fast(x)) or len({lin.bias is None for lin in linears}) > 1
+            or any(lin.int8_smooth is not first.int8_smooth for lin in linears)):
         return [lin(x) for lin in linears]
     key = tuple((lin.weight._version, lin.weight.data_ptr(), id(lin.int8_smooth)) for lin in linears)
     if getattr(first, "_int8_fused_key", None) != key:  # the cache holds the smoothing vector: its id is not reused
