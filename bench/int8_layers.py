@@ -28,7 +28,7 @@ from _sections import alternated_medians, machine  # noqa: E402
 from peer import corpus  # noqa: E402
 
 from yoso_serve.model import default_model_dir, encoder, load_pretrained  # noqa: E402
-from yoso_serve.model.dense_int8 import quantize_weight  # noqa: E402
+from yoso_serve.model.dense_int8 import quantize_weight, smooth_int8  # noqa: E402
 from yoso_serve.model.hashes import AUTO_EXACT_BELOW  # noqa: E402
 
 KINDS = {"Q": "attention.self.query", "K": "attention.self.key", "V": "attention.self.value",
@@ -75,11 +75,17 @@ def captured_inputs(model, short) -> dict[encoder.Linear, torch.Tensor]:
     seen = {}
     for m in model.modules():
         if isinstance(m, encoder.Linear):
-            def record(x, m=m):
+            def record(x, start=None, gelu=False, m=m):
                 seen[m] = x.reshape(-1, x.shape[-1]).float().clone()
-                return F.linear(x.float(), m.weight, m.bias)
+                out = F.linear(x.float(), m.weight, m.bias)
+                out = out if start is None else out + start
+                return F.gelu(out) if gelu else out
             m._int8, m.int8 = record, True
-    embed(model, short, [])
+    fused, encoder.project = encoder.project, lambda group, x: [lin(x) for lin in group]  # Q, K, V one by one
+    try:
+        embed(model, short, [])
+    finally:
+        encoder.project = fused
     for m in seen:
         del m._int8
         m.int8 = False
@@ -159,6 +165,8 @@ def main() -> None:
     inputs = captured_inputs(model, short)
     print("| int8 | short | min | long | row max / rms | channel max / median | rows whose max is the same channel "
           "| rel. err. int8 x only | W only | both |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| all, not smoothed | %.4f | %.4f | %.4f | | | | | | |" % cosines(model, short, longs, ref, every))
+    smooth_int8(model)  # what --dense-dtype int8 serves; the input columns below are the inputs as they come
     print("| all | %.4f | %.4f | %.4f | | | | | | |" % cosines(model, short, longs, ref, every))
     for kind in KINDS:
         stats = [input_stats(m, inputs[m]) for m in linears(model, kind)]

@@ -1,27 +1,116 @@
 """Int8 dense layers on CPU (``--dense-dtype int8``): per-output-channel int8 weights, activations quantized
-per row as they come, products through torch's ``_int_mm`` (oneDNN's int8 GEMM, int32 sums).
+per row as they come, products through torch's ``_int_mm`` (oneDNN's int8 GEMM, int32 sums); the arithmetic
+is :func:`yoso_serve.kernels.int8_linear`.
 
-Why per row: a per-tensor activation scale would depend on the other texts of the batch. With one scale per
-row and exact int32 sums, a row's bits never depend on the row count or on how the library blocks the GEMM."""
+The layers fed by a LayerNorm (Q, K, V, FFN in) are smoothed (SmoothQuant's migration): in those inputs a few
+fixed channels stand 5-18x above the rest and set every row's int8 step, so the other channels keep few levels
+(docs/benchmarks.md, "int8 GEMMs"). The input is divided per channel by ``s`` and the weight's columns multiplied by
+it, which leaves the product unchanged and moves part of the channel's range into the weights, quantized per output
+channel. Each channel's range is calibrated once, when int8 is switched on, by an fp32 forward over seeded random
+tokens: the channels that stand out do so for any text (random tokens gave the same gain as documentation text,
+bench/int8_layers.py). ``s`` is rounded to a power of two, so dividing and multiplying by it are exact and a
+last-bit difference in the calibration between machines almost never changes it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
+from torch import nn
+
+from yoso_serve.kernels import int8_linear  # noqa: F401  (the model's int8 product)
+
+SMOOTH_ALPHA = 0.5  # how much of a channel's range moves into the weights (SmoothQuant's α)
+CALIBRATION = (16, 64, 0)  # texts, tokens each, seed of the random tokens the ranges are read from
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight (out, in) fp32 → (int8 (out, in), scale (out,) fp32): symmetric, one scale per output channel."""
-    scale = weight.detach().abs().amax(dim=1).clamp_min(1e-12) / 127
-    return torch.round(weight.detach() / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (out, in) fp32, times ``smooth`` (in,) per input channel if given → (int8 (out, in), scale (out,)
+    fp32): symmetric, one scale per output channel."""
+    w = weight.detach().float() if smooth is None else weight.detach().float() * smooth
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
-def int8_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) fp32 → (..., out) fp32 ≈ F.linear(x, weight, bias), each row quantized on its own."""
-    rows = x.reshape(-1, x.shape[-1])  # (R, in)
-    scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127  # (R, 1)
-    q = torch.round(rows / scale).clamp_(-127, 127).to(torch.int8)
-    out = torch._int_mm(q, weight_q.t()).float().mul_(scale).mul_(weight_scale)  # (R, out)
-    if bias is not None:
-        out.add_(bias)
-    return out.view(*x.shape[:-1], weight_q.shape[0])
+def norm_fed(model: nn.Module) -> Iterator[tuple[nn.Module, list[tuple[nn.LayerNorm, list[nn.Linear]]]]]:
+    """(encoder, [(LayerNorm, the linears its output feeds)]) of each post-LN BERT-shaped stack in ``model``: the
+    embeddings' norm and each block's output norm feed the next block's Q, K, V; a block's attention norm feeds
+    its FFN in. Reversible (pre-LN) stacks are left out."""
+    for m in model.modules():
+        stack = getattr(getattr(m, "encoder", None), "layer", None)
+        if getattr(m, "embeddings", None) is None or not stack or stack[0].config.reversible:
+            continue
+        norms = [m.embeddings.LayerNorm, *(layer.output.LayerNorm for layer in stack)]
+        pairs = []
+        for norm, layer in zip(norms, stack):
+            attn = layer.attention.self
+            pairs += [(norm, [attn.query, attn.key, attn.value]),
+                      (layer.attention.output.LayerNorm, [layer.intermediate.dense])]
+        yield m, pairs
+
+
+def input_ranges(encoder: nn.Module, norms: list[nn.LayerNorm]) -> dict[nn.LayerNorm, torch.Tensor]:
+    """Each of ``norms``' largest |output| per channel over an fp32, exact-mode forward of ``encoder`` on
+    CALIBRATION's seeded random tokens (the linears' dense dtype is set aside meanwhile)."""
+    texts, tokens, seed = CALIBRATION
+    vocab = encoder.config.vocab_size
+    ids = torch.randint(min(1000, vocab // 2), vocab, (texts, tokens), generator=torch.Generator().manual_seed(seed))
+    ranges: dict[nn.LayerNorm, torch.Tensor] = {}
+
+    def record(norm, _inputs, out):
+        ranges[norm] = out.detach().float().reshape(-1, out.shape[-1]).abs().amax(dim=0)
+
+    saved = {m: (m.bf16, m.int8) for m in encoder.modules() if hasattr(m, "int8")}
+    hooks = [norm.register_forward_hook(record) for norm in norms]
+    try:
+        for m in saved:
+            m.bf16 = m.int8 = False
+        with torch.inference_mode():
+            encoder(ids, hashes=0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for m, (bf16, int8) in saved.items():
+            m.bf16, m.int8 = bf16, int8
+    return ranges
+
+
+def smoothing(x_range: torch.Tensor, linears: list[nn.Linear], alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
+    """SmoothQuant's per-channel ``s = max|x|^α / max|W|^(1-α)``, max|W| over every linear reading the input,
+    rounded to a power of two."""
+    w_max = torch.stack([lin.weight.detach().float().abs().amax(dim=0) for lin in linears]).amax(dim=0)
+    s = x_range.clamp_min(1e-5).pow(alpha) / w_max.clamp_min(1e-5).pow(1 - alpha)
+    return torch.exp2(torch.round(torch.log2(s.clamp_min(1e-5)))).contiguous()
+
+
+def smooth_int8(model: nn.Module, alpha: float = SMOOTH_ALPHA, *, again: bool = False) -> None:
+    """Give every LayerNorm-fed linear of ``model`` its smoothing vector (``Linear.int8_smooth``), calibrated
+    once per model: a stack whose linears have theirs is left as it is unless ``again``."""
+    for encoder, pairs in norm_fed(model):
+        if not again and all(lin.int8_smooth is not None for _, group in pairs for lin in group):
+            continue
+        ranges = input_ranges(encoder, [norm for norm, _ in pairs])
+        for norm, group in pairs:
+            s = smoothing(ranges[norm], group, alpha)
+            for lin in group:
+                lin.int8_smooth = s
+
+
+def project(linears: list[nn.Linear], x: torch.Tensor) -> list[torch.Tensor]:
+    """``[lin(x) for lin in linears]``; in int8, where all of them read ``x`` with one smoothing vector (Q, K, V),
+    as one product: ``x`` quantized once and one GEMM over their weights side by side, the outputs views of it.
+    The same bits as one at a time (a row's quantization and each output channel's sum do not change)."""
+    first = linears[0]
+    if (not (all(lin.int8 for lin in linears) and first._fast(x)) or len({lin.bias is None for lin in linears}) > 1
+            or any(lin.int8_smooth is not first.int8_smooth for lin in linears)):
+        return [lin(x) for lin in linears]
+    key = tuple((lin.weight._version, lin.weight.data_ptr(), id(lin.int8_smooth)) for lin in linears)
+    if getattr(first, "_int8_fused_key", None) != key:  # the cache holds the smoothing vector: its id is not reused
+        parts = [quantize_weight(lin.weight, lin.int8_smooth) for lin in linears]
+        bias = None if first.bias is None else torch.cat([lin.bias.detach().float() for lin in linears])
+        first._int8_fused = (torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), bias,
+                             first.int8_smooth)
+        first._int8_fused_key = key
+    weight_q, weight_scale, bias, smooth = first._int8_fused
+    out = int8_linear(x.float(), weight_q, weight_scale, bias, smooth=smooth)
+    return list(out.split([lin.out_features for lin in linears], dim=-1))

@@ -28,7 +28,7 @@ from torch import nn
 
 from .attention import build_attention
 from .config import EncoderConfig
-from .dense_int8 import int8_linear, quantize_weight
+from .dense_int8 import int8_linear, project, quantize_weight, smooth_int8
 from .hashes import resolve_hashes
 from .reversible import ReversibleBlock, reversible_stack
 
@@ -39,16 +39,8 @@ POSITION_OFFSET = 2
 def activation(name: str):
     """The activation function named by ``hidden_act`` (transformers' names)."""
     tanh_gelu = functools.partial(F.gelu, approximate="tanh")  # a partial, not a lambda: picklable
-    table = {
-        "gelu": F.gelu,
-        "gelu_new": tanh_gelu,
-        "gelu_pytorch_tanh": tanh_gelu,
-        "gelu_fast": tanh_gelu,
-        "relu": F.relu,
-        "silu": F.silu,
-        "swish": F.silu,
-        "tanh": torch.tanh,
-    }
+    table = {"gelu": F.gelu, "gelu_new": tanh_gelu, "gelu_pytorch_tanh": tanh_gelu, "gelu_fast": tanh_gelu,
+             "relu": F.relu, "silu": F.silu, "swish": F.silu, "tanh": torch.tanh}
     if name not in table:
         raise ValueError(f"hidden_act must be one of {sorted(table)}, got {name!r}")
     return table[name]
@@ -111,6 +103,7 @@ class Linear(nn.Linear):
 
     bf16 = False  # per instance: set_dense_dtype
     int8 = False  # per instance: set_dense_dtype (model/dense_int8.py)
+    int8_smooth: torch.Tensor | None = None  # per instance: dense_int8.smooth_int8 (x / smooth, W · smooth)
 
     def _fast(self, x: torch.Tensor) -> bool:
         return (ONEDNN_LINEAR is not None and x.device.type == "cpu"
@@ -135,17 +128,24 @@ class Linear(nn.Linear):
             self._bf16_key = key
         return x.bfloat16(), *self._bf16
 
-    def _int8(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self, "_int8_key", None) != (key := (self.weight._version, self.weight.data_ptr())):
-            self._int8_weight, self._int8_key = quantize_weight(self.weight), key
-        return int8_linear(x.float(), *self._int8_weight, self.bias)
+    def _int8(self, x: torch.Tensor, start: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
+        """The int8 product, weights quantized again whenever they or the smoothing vector changed."""
+        key = (self.weight._version, self.weight.data_ptr(), id(self.int8_smooth))
+        if getattr(self, "_int8_key", None) != key:  # the cache holds the smoothing vector: its id is not reused
+            self._int8_weight = (*quantize_weight(self.weight, self.int8_smooth), self.int8_smooth)
+            self._int8_key = key
+        weight_q, weight_scale, _ = self._int8_weight
+        return int8_linear(x.float(), weight_q, weight_scale, self.bias, smooth=self.int8_smooth, start=start,
+                           gelu=gelu)
 
     def _gemm(self, x: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
         """``self(x)`` on oneDNN, fp32 out, plus ``start`` (fp32) if given: one GEMM, or in bf16 over a K longer
         than BF16_K_BLOCK one GEMM per K-block, their bf16 outputs summed in fp32 in order after ``start``."""
-        x, weight, bias = (x, None, None) if self.int8 else self._operands(x)
+        if self.int8:
+            return self._int8(x, start)
+        x, weight, bias = self._operands(x)
         if not isinstance(weight, list):
-            out = self._int8(x) if self.int8 else ONEDNN_LINEAR(x, weight, bias, "none", [], "").float()
+            out = ONEDNN_LINEAR(x, weight, bias, "none", [], "").float()
             return out if start is None else out.add_(start)
         parts = (ONEDNN_LINEAR(xj, wj, bias if j == 0 else None, "none", [], "")
                  for j, (xj, wj) in enumerate(zip(x.split(BF16_K_BLOCK, dim=-1), weight)))
@@ -162,8 +162,8 @@ class Linear(nn.Linear):
 
     def activated(self, x: torch.Tensor, name: str, act) -> torch.Tensor:
         """``act(self(x))``, where ``act`` is the activation ``hidden_act`` = ``name`` names (bf16 in bf16 mode)."""
-        if self.int8 and self._fast(x):
-            return act(self._gemm(x))
+        if self.int8 and self._fast(x):  # exact GELU fused into the int8 epilogue; others after it
+            return self._int8(x, gelu=True) if name == "gelu" else act(self._gemm(x))
         if name in FUSED_ACTIVATIONS and self._fast(x):
             if self.bf16 and self.in_features > BF16_K_BLOCK:  # K-blocked: the sum first, then the activation
                 return act(self._gemm(x)).bfloat16()
@@ -190,6 +190,8 @@ def set_dense_dtype(module: nn.Module, dtype: str) -> None:
     for m in module.modules():
         if isinstance(m, Linear):
             m.bf16, m.int8 = dtype == "bf16", dtype == "int8"
+    if dtype == "int8":
+        smooth_int8(module)
 
 
 def layer_seed(hash_seed: int, layer_index: int) -> int:
@@ -258,9 +260,7 @@ class YosoSelfAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None, hashes: int) -> torch.Tensor:
         """hidden (B, N, hidden), mask (B, N) bool or None, hashes ≥ 0 (0 = exact) → (B, N, hidden)."""
-        q = self.split_heads(self.query(hidden))
-        k = self.split_heads(self.key(hidden))
-        v = self.split_heads(self.value(hidden))
+        q, k, v = (self.split_heads(t) for t in project([self.query, self.key, self.value], hidden))
         if self.core.uses_hashes:  # YOSO; its core also adds the YOSO-C convolution (one pass on CPU)
             context = self.core(q, k, v, mask, hashes=hashes, conv=self.conv)  # (B, H, N, d)
         else:  # config validation keeps YOSO-C (conv_window) to attention_type yoso

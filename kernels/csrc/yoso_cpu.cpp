@@ -34,6 +34,8 @@
 void register_fused_ops(pybind11::module_& m);
 // The N-YOSO norm and YOSO-C convolution after the op, in place (yoso_cpu_finish.cpp).
 void register_finish_ops(pybind11::module_& m);
+// yoso_cpu_quant.cpp: quantize_rows, dequantize_rows (around the int8 dense layers' GEMM)
+void register_quant_ops(pybind11::module_& m);
 
 // yoso_check.h's message pieces: numbers by std::to_string / snprintf, never through std::ostream.
 namespace yoso {
@@ -472,5 +474,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   register_fused_ops(m);   // yoso_cpu_fused.cpp
   register_finish_ops(m);  // yoso_cpu_finish.cpp
+  register_quant_ops(m);   // yoso_cpu_quant.cpp
   m.def("openmp_max_threads", &openmp_max_threads, "threads the kernels run on (torch's intra-op count)");
 }

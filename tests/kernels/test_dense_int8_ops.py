@@ -1,0 +1,113 @@
+"""The int8 dense layers' passes around the GEMM (kernels/dense_int8.py, csrc/yoso_cpu_quant.cpp): the C++
+quantize and dequantize against a float64/int64 oracle written from the formula, bit for bit against the
+PyTorch twin, a row's bits at any row count and thread count, and errors that name the limit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from yoso_serve.kernels import int8_linear, int8_linear_ref
+from yoso_serve.kernels._build import cpu_extension
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = cpu_extension()
+    if module is None:
+        pytest.skip("the C++ extension did not build here")
+    return module
+
+
+def weights(n, k, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    return w, torch.rand(n, generator=gen) * 1e-2 + 1e-4, torch.randn(n, generator=gen)
+
+
+def oracle(x, w, w_scale, bias, smooth=None, start=None):
+    """From the formula, the integer product in int64: rows of x / smooth quantized by max|row| / 127."""
+    rows = x.reshape(-1, x.shape[-1])
+    if smooth is not None:
+        rows = rows / smooth
+    scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+    q = torch.round(rows / scale).clamp(-127, 127).long()
+    out = (q @ w.long().t()).double() * scale.double() * w_scale.double()
+    if bias is not None:
+        out = out + bias.double()
+    if start is not None:
+        out = out + start.reshape(out.shape).double()
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+@pytest.mark.parametrize("k,n", [(384, 1536), (1536, 384), (37, 5)])
+@pytest.mark.parametrize("smoothed", [False, True])
+@pytest.mark.parametrize("with_start", [False, True])
+def test_cpp_passes_match_the_pytorch_twin_bit_for_bit_and_the_oracle(ext, k, n, smoothed, with_start):
+    gen = torch.Generator().manual_seed(k + n)
+    x = torch.randn(3, 41, k, generator=gen)
+    x[..., 7 % k] *= 20  # an outlier channel, as a LayerNorm's output has
+    w, w_scale, bias = weights(n, k)
+    smooth = torch.exp2(torch.randint(-3, 4, (k,), generator=gen).float()) if smoothed else None
+    start = torch.randn(3, 41, n, generator=gen) if with_start else None
+    fast = int8_linear(x, w, w_scale, bias, smooth=smooth, start=start)
+    ref = int8_linear_ref(x, w, w_scale, bias, smooth=smooth, start=start)
+    assert fast.shape == (3, 41, n) and fast.dtype == torch.float32
+    assert torch.equal(fast, ref)
+    torch.testing.assert_close(fast.double(), oracle(x, w, w_scale, bias, smooth, start), rtol=1e-5, atol=1e-4)
+
+
+def test_quantize_rows_rounds_half_to_even_clamps_and_keeps_zero_rows(ext):
+    x = torch.tensor([[127.0, 0.5, 1.5, -2.5, -127.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    q, scale = ext.quantize_rows(x, None)
+    assert q.tolist() == [[127, 0, 2, -2, -127], [0, 0, 0, 0, 0]]
+    assert scale[0, 0].item() == 1.0 and scale[1, 0].item() == pytest.approx(1e-12 / 127)
+
+
+def test_a_row_has_the_same_bits_at_any_row_count_and_thread_count(ext):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(900, 384, generator=gen)
+    w, w_scale, bias = weights(1536, 384)
+    smooth = torch.exp2(torch.randint(-2, 3, (384,), generator=gen).float())
+    full = int8_linear(x, w, w_scale, bias, smooth=smooth)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, max(2, threads)):
+            torch.set_num_threads(count)
+            for rows in (1, 2, 17, 300):
+                assert torch.equal(int8_linear(x[:rows], w, w_scale, bias, smooth=smooth), full[:rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_shapes_raise_errors_that_name_the_limit(ext):
+    w, w_scale, bias = weights(8, 16)
+    with pytest.raises(ValueError, match="weight's in = 16"):
+        int8_linear(torch.randn(2, 15), w, w_scale, bias)
+    with pytest.raises(ValueError, match=r"weight_scale must be \(8,\)"):
+        int8_linear(torch.randn(2, 16), w, w_scale[:3], bias)
+    with pytest.raises(RuntimeError, match=r"smooth must be \(K,\) = \(16,\)"):
+        ext.quantize_rows(torch.randn(2, 16), torch.ones(15))
+    q, scale = ext.quantize_rows(torch.randn(2, 16), None)
+    acc = torch._int_mm(q, w.t())
+    with pytest.raises(RuntimeError, match=r"start must be \(R, N\) = \(2, 8\)"):
+        ext.dequantize_rows(acc, scale, w_scale, bias, torch.zeros(2, 9), False)
+    with pytest.raises(RuntimeError, match=r"bias must be \(N,\) = \(8,\)"):
+        ext.dequantize_rows(acc, scale, w_scale, torch.zeros(7), None, False)
+
+
+def test_fused_gelu_is_within_1e7_of_atens_and_keeps_a_rows_bits_at_any_row_count(ext):
+    x = torch.linspace(-12, 12, 24001).reshape(1, -1)
+    identity = torch.ones(1, 1)
+    acc = torch.round(x * 1000).int()  # acc * 1e-3 = x to the float: the epilogue's GELU of exactly those values
+    out = ext.dequantize_rows(acc, identity * 1e-3, torch.ones(acc.shape[1]), None, None, True)
+    plain = ext.dequantize_rows(acc, identity * 1e-3, torch.ones(acc.shape[1]), None, None, False)
+    exact = torch.nn.functional.gelu(plain.double())
+    assert ((out.double() - exact).abs() <= 2e-7 * plain.double().abs().clamp_min(1)).all()
+    gen = torch.Generator().manual_seed(5)
+    xs = torch.randn(300, 384, generator=gen)
+    w, w_scale, bias = weights(1536, 384)
+    full = int8_linear(xs, w, w_scale, bias, gelu=True)
+    for rows in (1, 3, 77):
+        assert torch.equal(int8_linear(xs[:rows], w, w_scale, bias, gelu=True), full[:rows])
+    torch.testing.assert_close(full, int8_linear_ref(xs, w, w_scale, bias, gelu=True), rtol=1e-5, atol=1e-5)
