@@ -27,6 +27,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 from _sections import alternated_medians, machine  # noqa: E402
 from peer import corpus  # noqa: E402
 
+from yoso_serve.kernels import int8_rows  # noqa: E402
 from yoso_serve.model import default_model_dir, encoder, load_pretrained  # noqa: E402
 from yoso_serve.model.dense_int8 import quantize_weight, smooth_int8  # noqa: E402
 from yoso_serve.model.hashes import AUTO_EXACT_BELOW  # noqa: E402
@@ -93,8 +94,8 @@ def captured_inputs(model, short) -> dict[encoder.Linear, torch.Tensor]:
 
 
 def fake_rows(x: torch.Tensor) -> torch.Tensor:
-    scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
-    return torch.round(x / scale).clamp(-127, 127) * scale
+    q, scale = int8_rows(x)
+    return q.float() * scale
 
 
 @torch.inference_mode()

@@ -72,6 +72,7 @@ def dense_pass(model, batch: int, tokens: int, dense: str):
     GEMMs with GELU and the residual add in their epilogues, chunked along the sequence as the layer chunks
     them. No attention, LayerNorm, embeddings or pooling: the floor of the served forward (bench/peer.py
     --floor)."""
+    from yoso_serve.model.dense_int8 import project
     from yoso_serve.model.encoder import YosoLayer, set_dense_dtype
 
     set_dense_dtype(model, dense)
@@ -81,8 +82,8 @@ def dense_pass(model, batch: int, tokens: int, dense: str):
 
     def run() -> None:
         for layer in layers:
-            for lin in (layer.attention.self.query, layer.attention.self.key, layer.attention.self.value):
-                lin(x)
+            attn = layer.attention.self
+            project([attn.query, attn.key, attn.value], x)  # in int8 one product, as the forward runs them
             layer.attention.output.dense.plus(x, x)
             layer.chunked(lambda part: layer.output.dense.plus(layer.intermediate(part), part), x)
 

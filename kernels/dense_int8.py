@@ -27,6 +27,14 @@ def _check(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor) 
         raise ValueError(f"weight_scale must be ({weight_q.shape[0]},), got {tuple(weight_scale.shape)}")
 
 
+def int8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows (R, K) fp32 → (int8 (R, K), scale (R, 1) fp32): symmetric, each row on its own (scale max|row| / 127,
+    round half to even); a zero row keeps the scale MIN_ABS_MAX / 127. Weights (one row per output channel) and
+    activations are quantized alike."""
+    scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(MIN_ABS_MAX) / 127
+    return torch.round(rows / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
 def int8_linear_ref(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                     *, smooth: torch.Tensor | None = None, start: torch.Tensor | None = None,
                     gelu: bool = False) -> torch.Tensor:
@@ -38,8 +46,7 @@ def int8_linear_ref(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch
     rows = x.reshape(-1, x.shape[-1]).float()
     if smooth is not None:
         rows = rows / smooth
-    scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(MIN_ABS_MAX) / 127  # (R, 1)
-    q = torch.round(rows / scale).clamp_(-127, 127).to(torch.int8)
+    q, scale = int8_rows(rows)
     out = torch._int_mm(q, weight_q.t()).float().mul_(scale).mul_(weight_scale)  # (R, out)
     if bias is not None:
         out.add_(bias)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from yoso_serve.kernels import int8_linear  # noqa: F401  (the model's int8 product)
+from yoso_serve.kernels import int8_linear, int8_rows
 
 SMOOTH_ALPHA = 0.5  # how much of a channel's range moves into the weights (SmoothQuant's α)
 CALIBRATION = (16, 64, 0)  # texts, tokens each, seed of the random tokens the ranges are read from
@@ -28,8 +28,18 @@ def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None) ->
     """weight (out, in) fp32, times ``smooth`` (in,) per input channel if given → (int8 (out, in), scale (out,)
     fp32): symmetric, one scale per output channel."""
     w = weight.detach().float() if smooth is None else weight.detach().float() * smooth
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
-    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+    q, scale = int8_rows(w)
+    return q, scale[:, 0]
+
+
+def int8_weights(lin: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lin``'s weights times its smoothing vector, quantized (:func:`quantize_weight`), kept on ``lin`` until the
+    weights or the vector change (the cache holds the vector, so its id is not reused)."""
+    key = (lin.weight._version, lin.weight.data_ptr(), id(lin.int8_smooth))
+    if getattr(lin, "_int8_key", None) != key:
+        lin._int8_weight = (*quantize_weight(lin.weight, lin.int8_smooth), lin.int8_smooth)
+        lin._int8_key = key
+    return lin._int8_weight[:2]
 
 
 def norm_fed(model: nn.Module) -> Iterator[tuple[nn.Module, list[tuple[nn.LayerNorm, list[nn.Linear]]]]]:
@@ -104,13 +114,12 @@ def project(linears: list[nn.Linear], x: torch.Tensor) -> list[torch.Tensor]:
     if (not (all(lin.int8 for lin in linears) and first._fast(x)) or len({lin.bias is None for lin in linears}) > 1
             or any(lin.int8_smooth is not first.int8_smooth for lin in linears)):
         return [lin(x) for lin in linears]
-    key = tuple((lin.weight._version, lin.weight.data_ptr(), id(lin.int8_smooth)) for lin in linears)
-    if getattr(first, "_int8_fused_key", None) != key:  # the cache holds the smoothing vector: its id is not reused
-        parts = [quantize_weight(lin.weight, lin.int8_smooth) for lin in linears]
+    parts = [int8_weights(lin) for lin in linears]
+    key = tuple(id(q) for q, _ in parts)  # the cache holds the parts: their ids are not reused
+    if getattr(first, "_int8_fused_key", None) != key:
         bias = None if first.bias is None else torch.cat([lin.bias.detach().float() for lin in linears])
-        first._int8_fused = (torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), bias,
-                             first.int8_smooth)
+        first._int8_fused = (torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), bias, parts)
         first._int8_fused_key = key
-    weight_q, weight_scale, bias, smooth = first._int8_fused
-    out = int8_linear(x.float(), weight_q, weight_scale, bias, smooth=smooth)
+    weight_q, weight_scale, bias, _ = first._int8_fused
+    out = int8_linear(x.float(), weight_q, weight_scale, bias, smooth=first.int8_smooth)
     return list(out.split([lin.out_features for lin in linears], dim=-1))

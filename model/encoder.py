@@ -28,7 +28,7 @@ from torch import nn
 
 from .attention import build_attention
 from .config import EncoderConfig
-from .dense_int8 import int8_linear, project, quantize_weight, smooth_int8
+from .dense_int8 import int8_linear, int8_weights, project, smooth_int8
 from .hashes import resolve_hashes
 from .reversible import ReversibleBlock, reversible_stack
 
@@ -130,11 +130,7 @@ class Linear(nn.Linear):
 
     def _int8(self, x: torch.Tensor, start: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
         """The int8 product, weights quantized again whenever they or the smoothing vector changed."""
-        key = (self.weight._version, self.weight.data_ptr(), id(self.int8_smooth))
-        if getattr(self, "_int8_key", None) != key:  # the cache holds the smoothing vector: its id is not reused
-            self._int8_weight = (*quantize_weight(self.weight, self.int8_smooth), self.int8_smooth)
-            self._int8_key = key
-        weight_q, weight_scale, _ = self._int8_weight
+        weight_q, weight_scale = int8_weights(self)
         return int8_linear(x.float(), weight_q, weight_scale, self.bias, smooth=self.int8_smooth, start=start,
                            gelu=gelu)
 

@@ -19,8 +19,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from .engine import Engine
-from .middleware import TOKENIZER_TAG
 from .errors import InvalidInput, MalformedRequest, NotReady, empty_body
+from .middleware import TOKENIZER_TAG
 from .protocol import (DecodeRequest, EmbedRequest, PredictRequest, Rank, RerankRequest, ScoredLabel,
                        SimilarityRequest, ZeroShotRequest)
 from .responses import ERRORS, json_response, params_named, watch

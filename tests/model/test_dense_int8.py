@@ -100,6 +100,12 @@ def test_q_k_v_as_one_int8_product_give_the_bits_of_three():
         alone = [attn.query(x), attn.key(x), attn.value(x)]
     assert fused[0].data_ptr() == fused[1].data_ptr() - 4 * attn.query.out_features  # views of one product
     assert all(torch.equal(f, a) for f, a in zip(fused, alone))
+    with torch.no_grad():
+        attn.key.weight.mul_(0.5)  # a weight changed in place: both the layer's and the fused product follow
+    with torch.inference_mode():
+        fused = dense_int8.project([attn.query, attn.key, attn.value], x)
+        assert torch.equal(fused[1], attn.key(x)) and not torch.equal(fused[1], alone[1])
+        assert torch.equal(fused[0], alone[0])
     attn.key.int8 = False  # one of them in fp32: each on its own
     with torch.inference_mode():
         mixed = dense_int8.project([attn.query, attn.key, attn.value], x)
