@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from yoso_serve.kernels import sum_parts
+
 from .attention import build_attention
 from .config import EncoderConfig
 from .dense_int8 import int8_linear, int8_weights, project, smooth_int8
@@ -141,15 +143,10 @@ class Linear(nn.Linear):
             return self._int8(x, start)
         x, weight, bias = self._operands(x)
         if not isinstance(weight, list):
-            out = ONEDNN_LINEAR(x, weight, bias, "none", [], "").float()
-            return out if start is None else out.add_(start)
-        parts = (ONEDNN_LINEAR(xj, wj, bias if j == 0 else None, "none", [], "")
-                 for j, (xj, wj) in enumerate(zip(x.split(BF16_K_BLOCK, dim=-1), weight)))
-        first = next(parts)
-        out = first.float() if start is None else start + first  # a new tensor: ``start`` is left as it was
-        for part in parts:
-            out.add_(part)
-        return out
+            out = ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+            return out.float() if start is None else sum_parts([out], start)
+        return sum_parts([ONEDNN_LINEAR(xj, wj, bias if j == 0 else None, "none", [], "")
+                          for j, (xj, wj) in enumerate(zip(x.split(BF16_K_BLOCK, dim=-1), weight))], start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fast(x):

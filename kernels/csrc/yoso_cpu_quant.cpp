@@ -1,16 +1,20 @@
-// The two passes around an int8 GEMM of the dense layers (--dense-dtype int8), registered into the module by
-// yoso_cpu.cpp's PYBIND11_MODULE; the GEMM itself is oneDNN's (torch._int_mm), int32 sums:
+// The passes around the dense layers' GEMMs, registered into the module by yoso_cpu.cpp's PYBIND11_MODULE. Two
+// around an int8 GEMM (--dense-dtype int8; the GEMM itself is oneDNN's torch._int_mm, int32 sums):
 //
 //   quantize_rows(x (R, K) fp32, smooth (K) fp32 or None) -> [q (R, K) int8, scale (R, 1) fp32]
 //     y = x / smooth (per channel, if given); scale = max(max|y|, 1e-12) / 127; q = clamp(round(y / scale), +-127)
 //   dequantize_rows(acc (R, N) int32, scale (R, 1), col_scale (N), bias (N) or None, start (R, N) or None)
 //     -> (R, N) fp32 = float(acc) * scale * col_scale + bias + start, in that order; gelu=True: then GELU
+// and one after bf16 GEMMs (--dense-dtype bf16), whose outputs are bf16:
+//   sum_parts(parts [(R, N) bf16 or fp32, one dtype], start (R, N) fp32 or None)
+//     -> (R, N) fp32 = ((start + parts[0]) + parts[1]) + ..., each part widened to fp32 (no start: parts[0] + ...)
 //
-// The same IEEE operations, in the same order, as the PyTorch ops they replace (kernels/int8_dense.py's
-// reference: division, not a reciprocal's product; round half to even), so the two give the same bits. Every
-// row is computed by one thread from its own values only: a row's bits do not depend on the row count or the
-// thread count. Why: in PyTorch ops these were five and four passes over memory with temporaries, and took
-// longer than the int8 GEMM itself (a (1024, 1536) fp32 input: 4.1 ms to quantize, 1.5 ms to multiply).
+// The same IEEE operations, in the same order, as the PyTorch ops they replace (the references in
+// kernels/dense_int8.py and kernels/dense_parts.py: division, not a reciprocal's product; round half to even),
+// so the two give the same bits. Every row is computed by one thread from its own values only: a row's bits do
+// not depend on the row count or the thread count. Why: in PyTorch ops these were five and four passes over
+// memory with temporaries, and took longer than the int8 GEMM itself (a (1024, 1536) fp32 input: 4.1 ms to
+// quantize, 1.5 ms to multiply); the bf16 parts' sum made one pass per part.
 
 #include <torch/extension.h>
 
@@ -19,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "yoso_check.h"
@@ -184,6 +189,89 @@ torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& sca
   return out;
 }
 
+// Rows [r0, r1) of the sum; P is the parts' element type (uint16_t: bf16 bits, widened by a 16-bit shift).
+template <typename P>
+inline float widen(P x) {
+  if constexpr (std::is_same<P, float>::value) {
+    return x;
+  } else {
+    const uint32_t bits = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+}
+
+template <typename P>
+void sum_block(const P* const* parts, int64_t count, const float* __restrict start, float* __restrict out, int64_t r0,
+               int64_t r1, int64_t n) {
+  for (int64_t r = r0; r < r1; ++r) {
+    float* __restrict o = out + r * n;
+    const P* __restrict first = parts[0] + r * n;
+    if (start != nullptr) {
+      const float* __restrict st = start + r * n;
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) o[c] = st[c] + widen(first[c]);
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) o[c] = widen(first[c]);
+    }
+    for (int64_t j = 1; j < count; ++j) {
+      const P* __restrict part = parts[j] + r * n;
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) o[c] += widen(part[c]);
+    }
+  }
+}
+
+YOSO_SIMD_CLONES
+void sum_block_bf16(const uint16_t* const* parts, int64_t count, const float* start, float* out, int64_t r0, int64_t r1,
+                    int64_t n) {
+  sum_block(parts, count, start, out, r0, r1, n);
+}
+
+YOSO_SIMD_CLONES
+void sum_block_fp32(const float* const* parts, int64_t count, const float* start, float* out, int64_t r0, int64_t r1,
+                    int64_t n) {
+  sum_block(parts, count, start, out, r0, r1, n);
+}
+
+torch::Tensor sum_parts(const std::vector<torch::Tensor>& parts, const c10::optional<torch::Tensor>& start) {
+  YOSO_CHECK(!parts.empty(), "parts must hold at least one (R, N) tensor");
+  const at::ScalarType dtype = parts[0].scalar_type();
+  YOSO_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "parts must be BFloat16 or Float, got ",
+             c10::toString(dtype));
+  check_tensor(parts[0], "parts[0]", dtype, 2);
+  const int64_t rows = parts[0].size(0), n = parts[0].size(1);
+  for (const auto& part : parts) {
+    check_tensor(part, "every part", dtype, 2);
+    YOSO_CHECK(part.size(0) == rows && part.size(1) == n, "every part must be (R, N) = (", rows, ", ", n,
+               "), got ", part.sizes());
+  }
+  const float* stp = nullptr;
+  if (start.has_value()) {
+    check_tensor(*start, "start", at::kFloat, 2);
+    YOSO_CHECK(start->size(0) == rows && start->size(1) == n, "start must be (R, N) = (", rows, ", ", n, "), got ",
+               start->sizes());
+    stp = start->data_ptr<float>();
+  }
+  torch::Tensor out = torch::empty({rows, n}, parts[0].options().dtype(at::kFloat));
+  if (rows == 0 || n == 0) return out;
+  const int64_t count = int64_t(parts.size());
+  std::vector<const void*> ptrs;
+  for (const auto& part : parts) ptrs.push_back(part.data_ptr());
+  float* op = out.data_ptr<float>();
+  run_without_gil([&] {
+    at::parallel_for(0, rows, grain_rows(n * count), [&](int64_t r0, int64_t r1) {
+      if (dtype == at::kFloat)
+        sum_block_fp32(reinterpret_cast<const float* const*>(ptrs.data()), count, stp, op, r0, r1, n);
+      else
+        sum_block_bf16(reinterpret_cast<const uint16_t* const*>(ptrs.data()), count, stp, op, r0, r1, n);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 void register_quant_ops(pybind11::module_& m) {
@@ -196,4 +284,8 @@ void register_quant_ops(pybind11::module_& m) {
         "gelu=False) -> (R, N) fp32 = acc * scale * col_scale + bias + start, then GELU (erf form, ~1e-7 off aten's)",
         py::arg("acc"), py::arg("scale"), py::arg("col_scale"), py::arg("bias"), py::arg("start"),
         py::arg("gelu") = false);
+  m.def("sum_parts", &sum_parts,
+        "(parts [(R, N) bf16 or fp32, one dtype], start (R, N) fp32 or None) -> (R, N) fp32 = ((start + parts[0]) + "
+        "parts[1]) + ... in that order, each part widened to fp32 (no start: parts[0] + parts[1] + ...)",
+        py::arg("parts"), py::arg("start"));
 }
