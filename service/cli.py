@@ -22,6 +22,7 @@ import typing
 import uvicorn
 from pydantic import ValidationError
 
+from .heap import retain_freed_memory
 from .settings import CPU_PADDING_TOKENS, CUDA_PADDING_TOKENS, ServeSettings, describe_errors, env_name, flag_name
 
 # uvicorn's C parser (a dependency), named so that a missing one fails at start instead of falling back to h11:
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     log = logging.getLogger("yoso_serve.service")
     shown = settings.model_dump(exclude={"api_key"}, mode="json")
     log.info("settings: %s, api_key %s", shown, "set" if settings.api_key else "not set")
+    log.info("heap: %s", retain_freed_memory())  # before the model loads: its buffers come from the same heap
 
     from .app import create_app
 

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from ..engine import Engine
 from ..errors import ServiceError
+from ..heap import retain_freed_memory
 from ..loading import load_served_model, model_path
 from ..metrics import ServiceMetrics
 from ..params import EmbedParams, PiecesParams
@@ -89,6 +90,7 @@ class DocumentEmbedder:
     def __init__(self, settings: ServeSettings, pieces: int | None) -> None:
         self.settings = settings
         self.pieces = pieces
+        retain_freed_memory()  # as yoso-serve does (service/heap.py): this process embeds batch after batch
         self.engine = Engine(settings, ServiceMetrics(settings.max_batch_tokens),
                              lambda: load_served_model(settings), model_name=str(model_path(settings)))
 
