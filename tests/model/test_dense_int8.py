@@ -3,6 +3,7 @@ model's vectors near its fp32 ones on short and long texts."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from yoso_serve.model import default_model_dir, dense_int8, encoder, load_pretrained
@@ -110,3 +111,24 @@ def test_q_k_v_as_one_int8_product_give_the_bits_of_three():
     with torch.inference_mode():
         mixed = dense_int8.project([attn.query, attn.key, attn.value], x)
         assert torch.equal(mixed[1], attn.key(x)) and not torch.equal(mixed[1], alone[1])
+
+
+def test_q_k_v_in_bf16_read_one_rounding_of_the_input_and_give_the_bits_of_three(monkeypatch):
+    if encoder.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
+    model = load_pretrained(default_model_dir())
+    encoder.set_dense_dtype(model, "bf16")
+    attn = model.encoder.encoder.layer[1].attention.self
+    x = torch.randn(2, 40, attn.query.in_features)
+    with torch.inference_mode():
+        dense_int8.project([attn.query, attn.key, attn.value], x)  # makes the weights' bf16 copies
+    casts = []
+    real = torch.Tensor.bfloat16
+    monkeypatch.setattr(torch.Tensor, "bfloat16", lambda t, *a, **k: casts.append(t.dtype) or real(t, *a, **k))
+    with torch.inference_mode():
+        together = dense_int8.project([attn.query, attn.key, attn.value], x)
+        fp32_inputs = sum(dtype == torch.float32 for dtype in casts)
+        alone = [attn.query(x), attn.key(x), attn.value(x)]
+    assert fp32_inputs == 1  # x rounded once, not once per layer
+    assert all(t.dtype == torch.float32 for t in together)
+    assert all(torch.equal(t, a) for t, a in zip(together, alone))
