@@ -25,7 +25,7 @@ from .inputs import split_texts
 from .metrics import ServiceMetrics
 from .params import ClassifyParams, EmbedParams, HiddenParams, Output, PiecesParams, Usage
 from .loading import LoadedModel, check_model_limits
-from .outputs import document_pieces, head_scores, pooled_documents
+from .outputs import document_pieces, head_scores, piece_vectors, pooled_documents
 from .requests import RequestRules
 from .scheduler import BatchScheduler, OutputKind, WorkItem
 from .settings import ServeSettings
@@ -204,9 +204,9 @@ class Engine:
         hashes = self.check(p)
         size = self.rules.piece_tokens(p)
         # the token states of one pass per input, and the character offsets of the same tokenisation
-        states, usage, offsets = await self._run_whole_inputs(p, hashes, OutputKind.HIDDEN, watch, offsets=True,
-                                                              vector_tokens=size)
-        return Output([document_pieces(hidden, offs, size, p.normalize) for hidden, offs in zip(states, offsets)],
+        vectors, usage, offsets = await self._run_whole_inputs(p, hashes, OutputKind.HIDDEN, watch, offsets=True,
+                                                               vector_tokens=size, piece_tokens=size)
+        return Output([document_pieces(v, len(offs), offs, size, p.normalize) for v, offs in zip(vectors, offsets)],
                       usage)
 
     async def classify(self, p: ClassifyParams, watch: Watch | None = None) -> Output:
@@ -219,7 +219,7 @@ class Engine:
 
     async def _run_whole_inputs(self, p, hashes: int | str, kind: OutputKind, watch: Watch | None, *,
                                 offsets: bool = False, vector_tokens: int | None = None,
-                                ) -> tuple[list, Usage, list | None]:
+                                piece_tokens: int | None = None) -> tuple[list, Usage, list | None]:
         """Tokenise p.texts (one window each: no chunking) and run them; (rows, usage, each text's character
         offsets per token when ``offsets``, else None).
 
@@ -232,7 +232,7 @@ class Engine:
         seqs = [w[0][0] for w in pieces]
         if vector_tokens is not None:
             self.rules.answer_size(seqs, vector_tokens, isinstance(p, PiecesParams))
-        return await self._run(seqs, hashes, kind, None, usage, watch), usage, spans
+        return await self._run(seqs, hashes, kind, None, usage, watch, pieces=piece_tokens), usage, spans
 
     async def _classify_head(self, p: ClassifyParams, watch: Watch | None) -> Output:
         hashes = self.rules.verify(p)
@@ -338,14 +338,15 @@ class Engine:
                            chunk_hint=chunk_hint)
 
     async def _run(self, seqs: list[list[int]], hashes: int | str, kind: OutputKind, pooling: str | None,
-                   usage: Usage, watch: Watch | None, owners: list[int] | None = None) -> list[np.ndarray]:
+                   usage: Usage, watch: Watch | None, owners: list[int] | None = None,
+                   pieces: int | None = None) -> list:
         """Queue one item per sequence at the count its own length resolves ``hashes`` to (the batcher
         groups by it), wait for all (or the client leaving), fill ``usage``. ``owners``: each sequence's input."""
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + request_budget(self.settings.request_timeout)
         counts = [self.rules.hashes(hashes, len(ids)) for ids in seqs]
         usage.hashes = hashes_header(counts, owners)
-        items = [WorkItem(ids, count, kind, pooling, deadline, loop.create_future(), loop)
+        items = [WorkItem(ids, count, kind, pooling, deadline, loop.create_future(), loop, pieces=pieces)
                  for ids, count in zip(seqs, counts)]
         self.scheduler.submit(items, accepted=self._arrived_before_drain())
         gathered = asyncio.gather(*(it.future for it in items), return_exceptions=True)
@@ -385,7 +386,8 @@ class Engine:
             else:
                 out = self.model.classify(ids, mask, hashes=first.hashes)
         out = out.float().cpu().numpy()
-        if first.kind is OutputKind.HIDDEN:
-            return [out[row, : it.length] for row, it in enumerate(batch)]
+        if first.kind is OutputKind.HIDDEN:  # pieces here, on this thread (outputs.piece_vectors says why)
+            return [out[row, : it.length] if it.pieces is None else piece_vectors(out[row, : it.length], it.pieces)
+                    for row, it in enumerate(batch)]
         return list(out)
 

@@ -53,6 +53,7 @@ class WorkItem:
     inference: float = 0.0
     batch_id: int = -1
     first_start: FirstStart | None = None  # shared by the request's items (submit sets it)
+    pieces: int | None = None  # HIDDEN: answer (mean, piece means) of this many tokens each, not the states
 
     @property
     def length(self) -> int:

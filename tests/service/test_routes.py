@@ -7,6 +7,7 @@ import asyncio
 import base64
 import importlib.metadata
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -284,3 +285,28 @@ def test_info_health_ready_metrics_docs(tiny_dir, serve):
     assert 'yoso_rejections_total{reason="predicted_wait"} 0.0' in text and 'reason="queue_full"} 0.0' in text
     assert 'yoso_throughput_padded_tokens_per_second{hashes="8"}' in text
     assert r["/docs"].status_code == 200 and "/v1/embeddings" in r["/openapi.json"].json()["paths"]
+
+
+def test_embed_pieces_pools_on_the_forwards_thread_not_the_event_loops(tiny_dir, serve, monkeypatch):
+    """The pieces' reductions (torch) run on the forward's thread: on the event loop's thread a long input started
+    a second OpenMP team, and with more OpenMP threads than cores every later forward ran slower."""
+    from yoso_serve.service import engine as engine_module
+    from yoso_serve.service import outputs
+
+    threads = []
+    real = outputs.piece_vectors
+
+    def recording(hidden, size):
+        threads.append(threading.current_thread())
+        return real(hidden, size)
+
+    monkeypatch.setattr(engine_module, "piece_vectors", recording)
+
+    async def main():
+        async with serve(tiny_dir, chunk_overlap=16) as c:
+            r = await c.post("/embed_pieces", json={"inputs": ["a b c d e f", "g h"], "piece_tokens": 2})
+            return r, threading.current_thread()
+
+    r, loop_thread = asyncio.run(main())
+    assert r.status_code == 200 and len(threads) == 2
+    assert all(t is not loop_thread and t.name == "yoso-batcher" for t in threads)
