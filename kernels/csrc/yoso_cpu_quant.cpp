@@ -128,6 +128,15 @@ void dequantize_block(const int32_t* __restrict acc, const float* __restrict sca
 
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, width)); }
 
+// The residual rows added to an output of (rows, n), checked, or null.
+const float* start_rows(const c10::optional<torch::Tensor>& start, int64_t rows, int64_t n) {
+  if (!start.has_value()) return nullptr;
+  check_tensor(*start, "start", at::kFloat, 2);
+  YOSO_CHECK(start->size(0) == rows && start->size(1) == n, "start must be (R, N) = (", rows, ", ", n, "), got ",
+             start->sizes());
+  return start->data_ptr<float>();
+}
+
 std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& smooth) {
   check_tensor(x, "x", at::kFloat, 2);
   const int64_t rows = x.size(0), k = x.size(1);
@@ -168,13 +177,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& sca
     YOSO_CHECK(bias->size(0) == n, "bias must be (N,) = (", n, ",), got ", bias->sizes());
     bp = bias->data_ptr<float>();
   }
-  const float* stp = nullptr;
-  if (start.has_value()) {
-    check_tensor(*start, "start", at::kFloat, 2);
-    YOSO_CHECK(start->size(0) == rows && start->size(1) == n, "start must be (R, N) = (", rows, ", ", n, "), got ",
-               start->sizes());
-    stp = start->data_ptr<float>();
-  }
+  const float* stp = start_rows(start, rows, n);
   torch::Tensor out = torch::empty({rows, n}, scale.options());
   if (rows == 0 || n == 0) return out;
   const int32_t* ap = acc.data_ptr<int32_t>();
@@ -248,13 +251,7 @@ torch::Tensor sum_parts(const std::vector<torch::Tensor>& parts, const c10::opti
     YOSO_CHECK(part.size(0) == rows && part.size(1) == n, "every part must be (R, N) = (", rows, ", ", n,
                "), got ", part.sizes());
   }
-  const float* stp = nullptr;
-  if (start.has_value()) {
-    check_tensor(*start, "start", at::kFloat, 2);
-    YOSO_CHECK(start->size(0) == rows && start->size(1) == n, "start must be (R, N) = (", rows, ", ", n, "), got ",
-               start->sizes());
-    stp = start->data_ptr<float>();
-  }
+  const float* stp = start_rows(start, rows, n);
   torch::Tensor out = torch::empty({rows, n}, parts[0].options().dtype(at::kFloat));
   if (rows == 0 || n == 0) return out;
   const int64_t count = int64_t(parts.size());

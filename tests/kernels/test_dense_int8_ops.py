@@ -8,15 +8,6 @@ import pytest
 import torch
 
 from yoso_serve.kernels import int8_linear, int8_linear_ref
-from yoso_serve.kernels._build import cpu_extension
-
-
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu_extension()
-    if module is None:
-        pytest.skip("the C++ extension did not build here")
-    return module
 
 
 def weights(n, k, seed=0):
