@@ -46,9 +46,9 @@ BUILD_TIMEOUT_ENV = "YOSO_KERNEL_BUILD_TIMEOUT"
 _DEFAULT_BUILD_TIMEOUT = 900.0
 _POLICIES = ("auto", "torch", "cpp")
 _CSRC = Path(__file__).resolve().parent / "csrc"
-# The torch-facing bindings (module, fused ops, the layer's finish, the int8 dense layers' quantize and
-# dequantize) and three torch-free kernel files: LSH, SIMD, exact YOSO-E (the headers only declare structs and
-# functions, so any kernel change shows in a source's hash).
+# The torch-facing bindings (module, fused ops, the layer's finish, the passes around the dense layers' int8
+# and bf16 GEMMs) and three torch-free kernel files: LSH, SIMD, exact YOSO-E (the headers only declare structs
+# and functions, so any kernel change shows in a source's hash).
 _SOURCES = [_CSRC / f"yoso_cpu{part}.cpp"
             for part in ("", "_fused", "_finish", "_quant", "_kernels", "_simd", "_exact")]
 _EXTENSION_NAME = "yoso_serve_cpu"

@@ -34,7 +34,8 @@
 void register_fused_ops(pybind11::module_& m);
 // The N-YOSO norm and YOSO-C convolution after the op, in place (yoso_cpu_finish.cpp).
 void register_finish_ops(pybind11::module_& m);
-// yoso_cpu_quant.cpp: quantize_rows, dequantize_rows (around the int8 dense layers' GEMM)
+// yoso_cpu_quant.cpp: quantize_rows, dequantize_rows (around the int8 dense layers' GEMM) and sum_parts
+// (the bf16 dense layers' K-block outputs summed after the residual)
 void register_quant_ops(pybind11::module_& m);
 
 // yoso_check.h's message pieces: numbers by std::to_string / snprintf, never through std::ostream.

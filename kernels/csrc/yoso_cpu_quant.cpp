@@ -244,13 +244,11 @@ torch::Tensor sum_parts(const std::vector<torch::Tensor>& parts, const c10::opti
   const at::ScalarType dtype = parts[0].scalar_type();
   YOSO_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "parts must be BFloat16 or Float, got ",
              c10::toString(dtype));
-  check_tensor(parts[0], "parts[0]", dtype, 2);
+  for (const auto& part : parts) check_tensor(part, "every part", dtype, 2);
   const int64_t rows = parts[0].size(0), n = parts[0].size(1);
-  for (const auto& part : parts) {
-    check_tensor(part, "every part", dtype, 2);
+  for (const auto& part : parts)
     YOSO_CHECK(part.size(0) == rows && part.size(1) == n, "every part must be (R, N) = (", rows, ", ", n,
                "), got ", part.sizes());
-  }
   const float* stp = start_rows(start, rows, n);
   torch::Tensor out = torch::empty({rows, n}, parts[0].options().dtype(at::kFloat));
   if (rows == 0 || n == 0) return out;
