@@ -166,6 +166,11 @@ def cpu_extension() -> ModuleType | None:
         return _module
 
 
+def cpu_kernels_built() -> bool:
+    """Whether the C++ CPU kernels are in use (built, or taken from the cache; not forced off)."""
+    return cpu_extension() is not None
+
+
 def int8_hashing_body() -> str:
     """Which body hashes in int8 on CPU: "avx512-vnni", "avx2", "portable" (the C++ extension's), or
     "torch" without it (PyTorch's exact fp32 GEMM of the integers)."""

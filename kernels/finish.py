@@ -32,7 +32,7 @@ def attention_finish_ref(context: torch.Tensor, v: torch.Tensor, conv_weight: to
 def _fast(context: torch.Tensor, v: torch.Tensor, conv_weight: torch.Tensor | None, backend: str) -> bool:
     if backend == "torch" or context.device.type != "cpu" or v.device.type != "cpu":
         return False
-    if context.dtype != torch.float32 or v.dtype != torch.float32 or context.shape != v.shape:
+    if context.dtype != torch.float32 or v.dtype not in (torch.float32, torch.bfloat16) or context.shape != v.shape:
         return False
     tensors = [t for t in (context, v, conv_weight) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -45,9 +45,9 @@ def _fast(context: torch.Tensor, v: torch.Tensor, conv_weight: torch.Tensor | No
 def attention_finish(context: torch.Tensor, v: torch.Tensor, conv_weight: torch.Tensor | None,
                      key_mask: torch.Tensor | None, *, normalize: bool = True, eps: float = NORM_EPS,
                      backend: str = "auto") -> torch.Tensor:
-    """:func:`attention_finish_ref`'s result. On the C++ path (CPU, fp32, no gradients, backend not
-    "torch", the extension built) ``context`` is overwritten and returned: pass a tensor you own,
-    such as the attention op's fresh output."""
+    """:func:`attention_finish_ref`'s result. On the C++ path (CPU, fp32 ``context``, ``v`` fp32 or bf16 (read
+    as its exact fp32 values), no gradients, backend not "torch", the extension built) ``context`` is
+    overwritten and returned: pass a tensor you own, such as the attention op's fresh output."""
     if _fast(context, v, conv_weight, backend):
         from ._build import cpu_extension
 

@@ -106,14 +106,17 @@ def smooth_int8(model: nn.Module, alpha: float = SMOOTH_ALPHA, *, again: bool = 
                 lin.int8_smooth = s
 
 
-def project(linears: list[nn.Linear], x: torch.Tensor) -> list[torch.Tensor]:
+def project(linears: list[nn.Linear], x: torch.Tensor, *, bf16_out: bool = False) -> list[torch.Tensor]:
     """``[lin(x) for lin in linears]``; in int8, where all of them read ``x`` with one smoothing vector (Q, K, V),
     as one product: ``x`` quantized once and one GEMM over their weights side by side, the outputs views of it.
     The same bits as one at a time (a row's quantization and each output channel's sum do not change). In bf16,
-    ``x`` is rounded to bf16 once for all of them (each would round it alike)."""
+    ``x`` is rounded to bf16 once for all of them (each would round it alike), and with ``bf16_out`` the outputs
+    are the GEMMs' own bf16 results (``Linear.bf16_product``: the same values, no fp32 copies)."""
     first = linears[0]
     if all(lin.bf16 and not lin.int8 for lin in linears) and first._fast(x):
         x = x.bfloat16()
+        if bf16_out:
+            return [lin.bf16_product(x) for lin in linears]
     if (not (all(lin.int8 for lin in linears) and first._fast(x)) or len({lin.bias is None for lin in linears}) > 1
             or any(lin.int8_smooth is not first.int8_smooth for lin in linears)):
         return [lin(x) for lin in linears]

@@ -153,6 +153,11 @@ class Linear(nn.Linear):
             return self._gemm(x)
         return F.linear(x, self.weight, self.bias)
 
+    def bf16_product(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` in bf16 mode as the GEMM's own bf16 output (same values, half the bytes); fp32 if K-blocked."""
+        x, weight, bias = self._operands(x)
+        return self._gemm(x) if isinstance(weight, list) else ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+
     def activated(self, x: torch.Tensor, name: str, act) -> torch.Tensor:
         """``act(self(x))``, where ``act`` is the activation ``hidden_act`` = ``name`` names (bf16 in bf16 mode)."""
         if self.int8 and self._fast(x):  # exact GELU fused into the int8 epilogue; others after it
@@ -251,9 +256,12 @@ class YosoSelfAttention(nn.Module):
         b, n, _ = x.shape
         return x.view(b, n, self.heads, self.head_dim).transpose(1, 2)  # (B, H, N, d)
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None, hashes: int) -> torch.Tensor:
-        """hidden (B, N, hidden), mask (B, N) bool or None, hashes ≥ 0 (0 = exact) → (B, N, hidden)."""
-        q, k, v = (self.split_heads(t) for t in project([self.query, self.key, self.value], hidden))
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None, hashes: int,
+                bf16_context: bool = False) -> torch.Tensor:
+        """hidden (B, N, hidden), mask (B, N) bool or None, hashes ≥ 0 (0 = exact) → (B, N, hidden); with
+        ``bf16_context`` (its reader rounds it anyway) a core that ``reads_bf16`` gets bf16 Q/K/V, gives bf16."""
+        bf16 = bf16_context and getattr(self.core, "reads_bf16", lambda: False)()
+        q, k, v = (self.split_heads(t) for t in project([self.query, self.key, self.value], hidden, bf16_out=bf16))
         if self.core.uses_hashes:  # YOSO; its core also adds the YOSO-C convolution (one pass on CPU)
             context = self.core(q, k, v, mask, hashes=hashes, conv=self.conv)  # (B, H, N, d)
         else:  # config validation keeps YOSO-C (conv_window) to attention_type yoso
@@ -284,7 +292,8 @@ class YosoAttention(nn.Module):
         self.output = DenseResidual(config.hidden_size, config)
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None, hashes: int) -> torch.Tensor:
-        return self.output(self.self(hidden, mask, hashes), hidden)
+        bf16 = self.output.dense.bf16 and not self.output.dense.int8  # the output GEMM rounds the context to bf16
+        return self.output(self.self(hidden, mask, hashes, bf16_context=bf16), hidden)
 
 
 class YosoIntermediate(nn.Module):

@@ -72,9 +72,10 @@ void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype
 
 // A (B, H, N, D) fp32 CPU view whose last dimension has unit stride (a head split needs no copy);
 // the fused ops and the layer's finish read such views as they are.
-void check_view(const torch::Tensor& t, const char* name) {
+void check_view(const torch::Tensor& t, const char* name, bool bf16) {
   YOSO_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
-  YOSO_CHECK(t.scalar_type() == at::kFloat, name, " must be Float, got ", c10::toString(t.scalar_type()));
+  const auto want = bf16 ? at::kBFloat16 : at::kFloat;
+  YOSO_CHECK(t.scalar_type() == want, name, " must be ", c10::toString(want), ", got ", c10::toString(t.scalar_type()));
   YOSO_CHECK(t.dim() == 4, name, " must have rank 4 (B, H, N, D), got shape ", t.sizes());
   YOSO_CHECK(t.stride(3) == 1 || t.size(3) == 1, name, " must have unit stride along D, got strides ", t.strides());
 }

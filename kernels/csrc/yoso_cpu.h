@@ -34,12 +34,13 @@ struct HashParams {
 // x + b * x_stride[0] + h * x_stride[1] + i * x_stride[2] + c, so (B, N, H, D) memory, as a model's
 // head split leaves it, is read and written in place.
 struct AttentionParams {
-  const float* q;        // (B, H, N, D), any scale: a code is a sign pattern
-  const float* k;        // (B, H, N, D)
-  const float* v;        // (B, H, N, Dv)
+  const void* q;         // (B, H, N, D), any scale: a code is a sign pattern; fp32, or bf16 where bf16 is set
+  const void* k;         // (B, H, N, D)
+  const void* v;         // (B, H, N, Dv)
+  bool bf16;             // q, k, v hold bf16 (the top 16 bits of an fp32): exact_attention only
   const float* proj;     // (H, D, m * hash_bits), as HashParams
   const uint8_t* keep;   // (B, N) 0 = padded token (masked key and query), or null
-  float* out;            // (B, H, N, Dv), zero on entry
+  float* out;            // (B, H, N, Dv), zero on entry (exact_attention writes every row: any contents)
   int64_t batch, heads, n, d, dv, m;
   int64_t q_stride[3], k_stride[3], v_stride[3], out_stride[3];
   int hash_bits;
@@ -51,7 +52,6 @@ struct AttentionParams {
 struct ExactParams {
   const float* q;     // (BH, N, D) unit rows
   const float* k;     // (BH, N, D) unit rows
-  const float* kt;    // forward, optional: the same keys transposed, (BH, D, N); null = transpose k
   const float* v;     // (BH, N, Dv)
   const float* keep;  // (BH, N) 0/1: padded keys weigh nothing, padded queries give zero rows
   const float* grad;  // (BH, N, Dv) d loss / d out, backward only
@@ -79,8 +79,9 @@ void hash_codes(const HashParams& p, int nthreads);
 void lsh_attention(const AttentionParams& p, int nthreads);
 // out = ((1 - arccos(q.k)/pi)^tau * keep_k) v * keep_q, in query x key blocks (yoso_cpu_exact.cpp)
 void exact_forward(const ExactParams& p, int nthreads);
-// The same forward from raw (B, H, N, D) views (AttentionParams' q, k, v, keep, out, strides):
-// rows are l2-normalised here (x / max(|x|, 1e-12), as F.normalize), for inference.
+// The same forward from raw (B, H, N, D) views (AttentionParams' q, k, v, keep, out, strides; q, k, v fp32
+// or bf16): rows are l2-normalised here (x / max(|x|, 1e-12), as F.normalize), for inference. The same bits
+// as exact_forward over the normalised rows, and for bf16 inputs as for their fp32 values.
 void exact_attention(const AttentionParams& p, int nthreads);
 // grad_v = W^T g, grad_q = (g v^T * slope) k, grad_k = (g v^T * slope)^T q with g = grad * keep_q
 void exact_backward(const ExactParams& p, int nthreads);

@@ -10,7 +10,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <memory>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "yoso_cpu.h"
@@ -42,32 +43,112 @@ float inverse_norm(const float* x, int64_t d) {
   return 1.f / std::max(std::sqrt(sq), 1e-12f);
 }
 
-int threads_for_heads(const ExactParams& p, int nthreads) {
-  // about 0.1 ms of work per extra thread, as the LSH kernels
-  const int64_t ops = p.bh * p.n * p.n * (p.d + p.dv);
+// about 0.1 ms of work per extra thread, as the LSH kernels
+int threads_for_heads(int64_t bh, int64_t n, int64_t d, int64_t dv, int nthreads) {
+  const int64_t ops = bh * n * n * (d + dv);
   return int(std::max<int64_t>(1, std::min<int64_t>(nthreads, ops >> 18)));
+}
+
+int threads_for_heads(const ExactParams& p, int nthreads) { return threads_for_heads(p.bh, p.n, p.d, p.dv, nthreads); }
+
+// 1 + the last position whose keep is not 0 (keep: n floats, or bytes, or null = all kept)
+template <typename K>
+int64_t real_length(const K* keep, int64_t n) {
+  if (keep == nullptr) return n;
+  while (n > 0 && keep[n - 1] == K(0)) --n;
+  return n;
+}
+
+// acc (rows, dv) = sum over the key blocks of ((1 - arccos(q kt)/pi)^tau * keep) v for `rows` unit query rows
+// against the first n keys (kt: the unit keys transposed, row stride ldk), key blocks in order: the one loop
+// both forwards run, so their bits agree. tile holds kQueryBlock x kKeyBlock floats, acc kQueryBlock x dv.
+void forward_block(const float* q, int64_t d, const float* kt, int64_t ldk, const float* v, int64_t ldv, int64_t dv,
+                   const float* keep, int64_t n, int64_t rows, int tau, float* tile, float* acc) {
+  std::fill(acc, acc + kQueryBlock * dv, 0.f);
+  for (int64_t j0 = 0; rows > 0 && j0 < n; j0 += kKeyBlock) {
+    const int64_t cols = std::min(kKeyBlock, n - j0);
+    simd::gemm(q, d, kt + j0, ldk, rows, d, cols, tile, kKeyBlock, false);
+    for (int64_t r = 0; r < rows; ++r)
+      simd::collision_weights(tile + r * kKeyBlock, nullptr, keep + j0, cols, tau, false, 0.f);
+    simd::gemm(tile, kKeyBlock, v + j0 * ldv, ldv, rows, cols, dv, acc, dv, true);
+  }
+}
+
+// bf16 -> fp32 is exact: a bf16 is the top half of an fp32
+inline const float* widen(const float* x, int64_t, float*) { return x; }
+inline const float* widen(const uint16_t* x, int64_t count, float* to) {
+  for (int64_t c = 0; c < count; ++c) {
+    const uint32_t bits = uint32_t(x[c]) << 16;
+    std::memcpy(to + c, &bits, sizeof bits);
+  }
+  return to;
+}
+
+// exact_attention over q, k, v elements of type T (float or bf16 bits): each (batch*head) is one work item that
+// normalises its rows into the thread's buffers (in cache for the GEMMs right after) and writes its output rows.
+template <typename T>
+void exact_attention_t(const AttentionParams& a, int nthreads) {
+  const int64_t bh = a.batch * a.heads, n = a.n, d = a.d, dv = a.dv;
+  const T *q = static_cast<const T*>(a.q), *k = static_cast<const T*>(a.k), *v = static_cast<const T*>(a.v);
+  constexpr bool kWide = std::is_same<T, float>::value;  // v is read in place; bf16 values are widened first
+#pragma omp parallel num_threads(threads_for_heads(bh, n, d, dv, nthreads))
+  {
+    std::vector<float> qs(n * d), kt(d * n), keep(n), vs(kWide ? 0 : n * dv), row(std::max(d, dv));
+    std::vector<float> tile(kQueryBlock * kKeyBlock), acc(kQueryBlock * dv);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < bh; ++b) {
+      const int64_t batch = b / a.heads, head = b % a.heads;
+      const uint8_t* kept = a.keep == nullptr ? nullptr : a.keep + batch * n;
+      // Only the rows and keys up to the last real position: padding past it changes neither the work's
+      // shape nor its bits, so a text gives the same output alone or padded in a batch (and padding is free).
+      const int64_t real = real_length(kept, n);
+      const T* xq = q + batch * a.q_stride[0] + head * a.q_stride[1];
+      const T* xk = k + batch * a.k_stride[0] + head * a.k_stride[1];
+      for (int64_t i = 0; i < real; ++i) {
+        keep[i] = kept == nullptr || kept[i] ? 1.f : 0.f;
+        const float* rq = widen(xq + i * a.q_stride[2], d, row.data());
+        const float sq = inverse_norm(rq, d);
+        for (int64_t c = 0; c < d; ++c) qs[i * d + c] = rq[c] * sq;
+        const float* rk = widen(xk + i * a.k_stride[2], d, row.data());
+        const float sk = inverse_norm(rk, d);
+        for (int64_t c = 0; c < d; ++c) kt[c * n + i] = rk[c] * sk;
+      }
+      const T* xv = v + batch * a.v_stride[0] + head * a.v_stride[1];
+      const float* values = reinterpret_cast<const float*>(xv);
+      int64_t ldv = a.v_stride[2];
+      if constexpr (!kWide) {
+        for (int64_t i = 0; i < real; ++i) widen(xv + i * a.v_stride[2], dv, vs.data() + i * dv);
+        values = vs.data();
+        ldv = dv;
+      }
+      float* out = a.out + batch * a.out_stride[0] + head * a.out_stride[1];
+      for (int64_t i0 = 0; i0 < n; i0 += kQueryBlock) {
+        const int64_t rows = std::max<int64_t>(0, std::min(kQueryBlock, real - i0));
+        if (rows > 0)
+          forward_block(qs.data() + i0 * d, d, kt.data(), n, values, ldv, dv, keep.data(), real, rows, a.hash_bits,
+                        tile.data(), acc.data());
+        // padded queries give zero rows (as every row past the last real one)
+        for (int64_t r = 0; r < std::min(kQueryBlock, n - i0); ++r) {
+          float* o = out + (i0 + r) * a.out_stride[2];
+          for (int64_t c = 0; c < dv; ++c) o[c] = r < rows ? acc[r * dv + c] * keep[i0 + r] : 0.f;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
 
 void exact_forward(const ExactParams& p, int nthreads) {
   const int64_t blocks = (p.n + kQueryBlock - 1) / kQueryBlock;
-  // keys transposed per (batch*head): (D, N), GEMM-friendly; exact_attention hands them in so
-  std::vector<float> own(p.kt == nullptr ? p.bh * p.d * p.n : 0);
-  float* const kt = p.kt == nullptr ? own.data() : const_cast<float*>(p.kt);
-  const int team = threads_for_heads(p, nthreads);
-  std::vector<int64_t> real(p.bh);  // per (batch*head): 1 + the last position whose keep is not 0
-  for (int64_t b = 0; b < p.bh; ++b) {
-    int64_t n = p.n;
-    while (n > 0 && p.keep[b * p.n + n - 1] == 0.f) --n;
-    real[b] = n;
-  }
-#pragma omp parallel num_threads(team)
+  // keys transposed per (batch*head): (D, N), GEMM-friendly
+  std::vector<float> kt(p.bh * p.d * p.n);
+  std::vector<int64_t> real(p.bh);
+  for (int64_t b = 0; b < p.bh; ++b) real[b] = real_length(p.keep + b * p.n, p.n);
+#pragma omp parallel num_threads(threads_for_heads(p, nthreads))
   {
-    if (p.kt == nullptr) {
 #pragma omp for schedule(static)
-      for (int64_t b = 0; b < p.bh; ++b) transpose(p.k + b * p.n * p.d, p.n, p.d, p.d, kt + b * p.d * p.n, p.n);
-    }
+    for (int64_t b = 0; b < p.bh; ++b) transpose(p.k + b * p.n * p.d, p.n, p.d, p.d, kt.data() + b * p.d * p.n, p.n);
     std::vector<float> tile(kQueryBlock * kKeyBlock), acc(kQueryBlock * p.dv);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < p.bh * blocks; ++item) {
@@ -75,19 +156,9 @@ void exact_forward(const ExactParams& p, int nthreads) {
       const float* keep = p.keep + b * p.n;
       const float* v = p.v + (b / p.heads) * p.v_stride[0] + (b % p.heads) * p.v_stride[1];
       float* out = p.out + (b / p.heads) * p.out_stride[0] + (b % p.heads) * p.out_stride[1];
-      // Only the rows and keys up to the last real position: padding past it changes neither the work's
-      // shape nor its bits, so a text gives the same output alone or padded in a batch (and padding is free).
-      const int64_t n = real[b], rows = std::max<int64_t>(0, std::min(kQueryBlock, n - i0));
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j0 = 0; rows > 0 && j0 < n; j0 += kKeyBlock) {
-        const int64_t cols = std::min(kKeyBlock, n - j0);
-        simd::gemm(p.q + (b * p.n + i0) * p.d, p.d, kt + b * p.d * p.n + j0, p.n, rows, p.d, cols,
-                   tile.data(), kKeyBlock, false);
-        for (int64_t r = 0; r < rows; ++r)
-          simd::collision_weights(tile.data() + r * kKeyBlock, nullptr, keep + j0, cols, p.tau, false, 0.f);
-        simd::gemm(tile.data(), kKeyBlock, v + j0 * p.v_stride[2], p.v_stride[2], rows, cols, p.dv, acc.data(), p.dv,
-                   true);
-      }
+      const int64_t rows = std::max<int64_t>(0, std::min(kQueryBlock, real[b] - i0));
+      forward_block(p.q + (b * p.n + i0) * p.d, p.d, kt.data() + b * p.d * p.n, p.n, v, p.v_stride[2], p.dv, keep,
+                    real[b], rows, p.tau, tile.data(), acc.data());
       // padded queries give zero rows (past the last real one acc is zero as well)
       for (int64_t r = 0; r < std::min(kQueryBlock, p.n - i0); ++r) {
         float* o = out + (i0 + r) * p.out_stride[2];
@@ -98,39 +169,10 @@ void exact_forward(const ExactParams& p, int nthreads) {
 }
 
 void exact_attention(const AttentionParams& a, int nthreads) {
-  ExactParams p{};
-  p.bh = a.batch * a.heads;
-  p.n = a.n;
-  p.d = a.d;
-  p.dv = a.dv;
-  p.heads = a.heads;
-  std::copy(a.v_stride, a.v_stride + 3, p.v_stride);
-  std::copy(a.out_stride, a.out_stride + 3, p.out_stride);
-  p.tau = a.hash_bits;
-  p.v = a.v;
-  p.out = a.out;
-  // unit q rows (BH, N, D) and unit k rows written straight into the transposed (BH, D, N) layout the
-  // forward multiplies by; every element is written, so the buffers are left uninitialised
-  std::unique_ptr<float[]> q(new float[p.bh * p.n * p.d]), kt(new float[p.bh * p.d * p.n]), keep(new float[p.bh * p.n]);
-#pragma omp parallel for num_threads(threads_for_heads(p, nthreads)) schedule(static)
-  for (int64_t b = 0; b < p.bh; ++b) {
-    const int64_t batch = b / a.heads, head = b % a.heads;
-    float* kt_b = kt.get() + b * p.d * p.n;
-    for (int64_t i = 0; i < p.n; ++i) {
-      keep[b * p.n + i] = a.keep == nullptr || a.keep[batch * p.n + i] ? 1.f : 0.f;
-      const float* xq = a.q + batch * a.q_stride[0] + head * a.q_stride[1] + i * a.q_stride[2];
-      const float* xk = a.k + batch * a.k_stride[0] + head * a.k_stride[1] + i * a.k_stride[2];
-      const float sq = inverse_norm(xq, p.d), sk = inverse_norm(xk, p.d);
-      float* dst = q.get() + (b * p.n + i) * p.d;
-      for (int64_t c = 0; c < p.d; ++c) dst[c] = xq[c] * sq;
-      for (int64_t c = 0; c < p.d; ++c) kt_b[c * p.n + i] = xk[c] * sk;
-    }
-  }
-  p.q = q.get();
-  p.k = nullptr;  // only the transposed copy exists
-  p.kt = kt.get();
-  p.keep = keep.get();
-  exact_forward(p, nthreads);
+  if (a.bf16)
+    exact_attention_t<uint16_t>(a, nthreads);
+  else
+    exact_attention_t<float>(a, nthreads);
 }
 
 void exact_backward(const ExactParams& p, int nthreads) {

@@ -1,7 +1,7 @@
 // What a YOSO layer does to the attention output after the op, for inference, in one pass over it
 // (registered into the module by yoso_cpu.cpp's PYBIND11_MODULE):
 //
-//   attention_finish(out, v, weight, keep, normalize, eps) -> None, out modified in place:
+//   attention_finish(out, v, weight, keep, normalize, eps) -> None, out (fp32) modified in place; v fp32 or bf16:
 //     out[b, h, n] = out[b, h, n] / max(|out[b, h, n]|, eps)          (N-YOSO's row norm, if normalize)
 //                  + sum_t weight[h, t] * v[b, h, n + t - W/2] * keep[b, n + t - W/2]   (YOSO-C, if weight)
 //
@@ -9,7 +9,8 @@
 // four passes and three temporaries, and oneDNN's depthwise convolution runs its (W x 1) kernel at a
 // small fraction of the machine's speed: together about a quarter of a layer's self-attention time
 // on 2 CPU cores (docs/benchmarks.md). Here each output row is finished by one thread, taps in
-// increasing t, so results do not depend on the thread count.
+// increasing t, so results do not depend on the thread count. bf16 values are widened (exactly) into a buffer
+// first and then read by the same code, so they give the bits their fp32 copy gives.
 
 #include <torch/extension.h>
 
@@ -17,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "yoso_check.h"
@@ -34,11 +36,12 @@ constexpr int64_t kRowsPerTask = 64;
 #endif
 
 // One (batch, head)'s rows: out and v rows ldo / ldv floats apart, keep (N) or null, w (W) or null.
+// v points at row v_first of the values (0, or the first row a task's widened copy holds).
 struct Rows {
   float* out;
   int64_t ldo;
   const float* v;
-  int64_t ldv;
+  int64_t ldv, v_first;
   const uint8_t* keep;
   const float* w;
   int64_t window, n, d;
@@ -68,7 +71,7 @@ inline void finish_rows_body(const Rows& r, int64_t i0, int64_t i1, bool normali
       const int64_t j = i + t - half;
       if (r.keep != nullptr && !r.keep[j]) continue;
       const float wt = r.w[t];
-      const float* __restrict src = r.v + j * r.ldv;
+      const float* __restrict src = r.v + (j - r.v_first) * r.ldv;
 #pragma omp simd
       for (int64_t c = 0; c < d; ++c) a[c] += wt * src[c];
     }
@@ -86,10 +89,20 @@ void finish_rows(const Rows& r, int64_t i0, int64_t i1, bool normalize, float ep
   }
 }
 
+// rows x d bf16 values (row stride ld) -> fp32, exactly (a bf16 is the top half of an fp32)
+void widen_rows(const uint16_t* x, int64_t ld, int64_t rows, int64_t d, float* to) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < d; ++c) {
+      const uint32_t bits = uint32_t(x[r * ld + c]) << 16;
+      std::memcpy(to + r * d + c, &bits, sizeof bits);
+    }
+}
+
 void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::optional<torch::Tensor>& weight,
                       const c10::optional<torch::Tensor>& keep, bool normalize, double eps) {
   check_view(out, "out");
-  check_view(v, "v");
+  const bool bf16 = v.scalar_type() == at::kBFloat16;
+  check_view(v, "v", bf16);
   YOSO_CHECK(v.sizes() == out.sizes(), "v must have out's shape (B, H, N, D) ", out.sizes(), ", got ", v.sizes());
   YOSO_CHECK(eps > 0, "eps must be positive, got ", eps);
   const int64_t batch = out.size(0), heads = out.size(1), n = out.size(2), d = out.size(3);
@@ -111,7 +124,8 @@ void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::opti
   }
   if (out.numel() == 0) return;
   float* o = out.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const float* vp = bf16 ? nullptr : v.data_ptr<float>();
+  const uint16_t* vp16 = bf16 ? reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()) : nullptr;
   const int64_t os[3] = {out.stride(0), out.stride(1), out.stride(2)};
   const int64_t vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
   const int64_t blocks = (n + kRowsPerTask - 1) / kRowsPerTask;
@@ -119,12 +133,22 @@ void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::opti
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (kRowsPerTask * d * (window + 2)));
   run_without_gil([&] {
     at::parallel_for(0, batch * heads * blocks, grain, [&](int64_t first, int64_t last) {
-      std::vector<float> acc(d);
+      std::vector<float> acc(d), wide(bf16 && w ? (kRowsPerTask + window) * d : 0);
       for (int64_t task = first; task < last; ++task) {
         const int64_t bh = task / blocks, b = bh / heads, h = bh % heads, i0 = (task % blocks) * kRowsPerTask;
-        Rows rows{o + b * os[0] + h * os[1], os[2], vp + b * vs[0] + h * vs[1], vs[2], kp ? kp + b * n : nullptr,
+        const int64_t i1 = std::min(n, i0 + kRowsPerTask);
+        Rows rows{o + b * os[0] + h * os[1], os[2], nullptr, d, 0, kp ? kp + b * n : nullptr,
                   w ? w + h * window : nullptr, window, n, d};
-        finish_rows(rows, i0, std::min(n, i0 + kRowsPerTask), normalize, feps, acc.data());
+        if (!bf16) {
+          rows.v = vp + b * vs[0] + h * vs[1];
+          rows.ldv = vs[2];
+        } else if (w != nullptr) {  // the rows the taps reach, widened
+          rows.v_first = std::max<int64_t>(0, i0 - window / 2);
+          const int64_t end = std::min(n, i1 + window / 2);
+          widen_rows(vp16 + b * vs[0] + h * vs[1] + rows.v_first * vs[2], vs[2], end - rows.v_first, d, wide.data());
+          rows.v = wide.data();
+        }
+        finish_rows(rows, i0, i1, normalize, feps, acc.data());
       }
     });
   });
@@ -134,7 +158,8 @@ void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::opti
 
 void register_finish_ops(pybind11::module_& m) {
   m.def("attention_finish", &attention_finish,
-        "(out, v (B, H, N, D) fp32 views, weight (H, W) fp32 or None, keep (B, N) bool or None, normalize, eps) "
+        "(out (B, H, N, D) fp32 view, v the same shape fp32 or bf16, weight (H, W) fp32 or None, keep (B, N) bool "
+        "or None, normalize, eps) "
         "-> None: out rows l2-normalised (N-YOSO) then the masked values' depthwise convolution added (YOSO-C)",
         py::arg("out"), py::arg("v"), py::arg("weight"), py::arg("keep"), py::arg("normalize"), py::arg("eps"));
 }

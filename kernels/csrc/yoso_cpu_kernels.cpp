@@ -393,8 +393,8 @@ void lsh_attention(const AttentionParams& a, int nthreads) {
         const bool key = item >= blocks;
         const int64_t i0 = (item % blocks) * kHashBlock, i1 = std::min(a.n, i0 + kHashBlock);
         int32_t* codes = key ? ws.k_codes.data() : ws.q_codes.data();
-        const float* x = key ? a.k + batch * a.k_stride[0] + head * a.k_stride[1]
-                             : a.q + batch * a.q_stride[0] + head * a.q_stride[1];
+        const float* x = key ? static_cast<const float*>(a.k) + batch * a.k_stride[0] + head * a.k_stride[1]
+                             : static_cast<const float*>(a.q) + batch * a.q_stride[0] + head * a.q_stride[1];
         const int64_t ldx = key ? a.k_stride[2] : a.q_stride[2];
         if (a.int8)
           simd::hash_rows_i8(x + i0 * ldx, ldx, i1 - i0, a.d, a.proj, planes, head, a.m, a.hash_bits, codes + i0, a.n);
@@ -406,7 +406,8 @@ void lsh_attention(const AttentionParams& a, int nthreads) {
               if (!keep[i]) codes[h * a.n + i] = -1;
       }
     }
-    cumulate_one(p, ws.q_codes.data(), ws.k_codes.data(), a.v + batch * a.v_stride[0] + head * a.v_stride[1],
+    cumulate_one(p, ws.q_codes.data(), ws.k_codes.data(),
+                 static_cast<const float*>(a.v) + batch * a.v_stride[0] + head * a.v_stride[1],
                  a.v_stride[2], a.out + batch * a.out_stride[0] + head * a.out_stride[1], a.out_stride[2], ws.tables,
                  team);
   });

@@ -18,7 +18,7 @@ import logging
 import torch
 from torch import nn
 
-from yoso_serve.kernels import flex, yoso_attention
+from yoso_serve.kernels import cpu_kernels_built, flex, yoso_attention
 from yoso_serve.kernels.finish import attention_finish
 
 from .base import AttentionCore, register
@@ -56,6 +56,12 @@ class YosoAttentionCore(AttentionCore):
         out = attention_finish(context, v, None if conv is None else conv.weight, key_mask,
                                backend=self.backend)  # (B, H, N, D)
         return out.to(v.dtype)
+
+    def reads_bf16(self) -> bool:
+        """Whether bf16 q, k, v give the results of their exact fp32 values: the op widens them (the C++ kernels
+        read them as they are); the fused kernel would compute in bf16, and the PyTorch finish would convolve in
+        bf16. The output then comes back in bf16."""
+        return self.exact_kernel == "op" and self.backend != "torch" and cpu_kernels_built()
 
     def _flex(self, q, k, v, key_mask) -> torch.Tensor | None:
         """Exact mode's rows up to a factor per row from the fused kernel, or None: gradients are

@@ -262,3 +262,23 @@ def test_fused_ops_read_head_split_views_and_write_merged_heads(ext, oracles, di
     torch.testing.assert_close(ext.exact_attention(q, k, v, keep, 8).double(), expected, rtol=1e-4, atol=1e-5)
     with pytest.raises(RuntimeError, match="q must have unit stride along D"):
         ext.exact_attention(q.transpose(2, 3), k.transpose(2, 3), v, keep, 8)
+
+
+@pytest.mark.parametrize("length", [1, 61, 137, 300])  # one query block, several, and past one key block (256)
+@pytest.mark.parametrize("dim", [32, 13])
+def test_exact_attention_reads_bf16_as_its_fp32_values_and_writes_every_row(ext, oracles, length, dim):
+    """bf16 q, k, v (head-split views, as the bf16 projections give them) give the bits of their fp32 copies;
+    the output is not cleared first, so every row, padded ones as zeros, must be written."""
+    gen = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(3, length, 4, dim, generator=gen).bfloat16().transpose(1, 2) for _ in range(3))
+    keep = oracles.lengths_mask([length, max(1, length // 2), max(1, length - 3)], length)
+    keep[2, 0] = False  # a hole before the last real token
+    for _ in range(3):
+        torch.full((3, length, 4, dim), float("nan"))  # freed memory the next output may reuse
+        got = ext.exact_attention(q, k, v, keep, 8)
+        assert torch.equal(got, ext.exact_attention(q.float(), k.float(), v.float(), keep, 8))
+        assert not got.isnan().any() and (got[~keep[:, None, :].expand(3, 4, length)] == 0).all()
+    with pytest.raises(RuntimeError, match="k must be BFloat16, got Float"):
+        ext.exact_attention(q, k.float(), v, keep, 8)
+    with pytest.raises(RuntimeError, match="v must be Float, got BFloat16"):
+        ext.exact_attention(q.float(), k.float(), v, keep, 8)

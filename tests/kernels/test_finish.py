@@ -116,6 +116,22 @@ def test_bit_identical_across_thread_counts():
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+@pytest.mark.parametrize("b,h,n,d,window", [(2, 3, 130, 32, 9), (1, 2, 70, 64, 33), (2, 2, 5, 7, 3), (1, 1, 1, 4, 1)])
+def test_bf16_values_give_the_bits_of_their_fp32_copies(b, h, n, d, window):
+    """v in bf16 (as the bf16 projections give it) is read as its exact fp32 values: the same bits as its fp32
+    copy, with and without the convolution, masked or not, across the task boundaries (64 rows)."""
+    ext = ext_or_skip()
+    ctx, v, weight = inputs(b, h, n, d, window)
+    v16 = v.bfloat16()
+    keep = torch.arange(n)[None, :] < torch.tensor([n, max(1, n // 3)][:b])[:, None]
+    flat = weight.reshape(h, window).contiguous()
+    for w, k in ((flat, keep), (flat, None), (None, keep)):
+        got, expected = ctx.clone(), ctx.clone()
+        ext.attention_finish(got, v16, w, k, True, 1e-12)
+        ext.attention_finish(expected, v16.float(), w, k, True, 1e-12)
+        assert torch.equal(got, expected)
+
+
 def test_bad_arguments_name_the_limit():
     ext = ext_or_skip()
     ctx, v, weight = inputs(1, 2, 8, 4, 3)
@@ -125,6 +141,8 @@ def test_bad_arguments_name_the_limit():
         ext.attention_finish(ctx.clone(), v, None, torch.ones(1, 7, dtype=torch.bool), True, 1e-12)
     with pytest.raises(RuntimeError, match="v must have out's shape"):
         ext.attention_finish(ctx.clone(), v[:, :, :4], None, None, True, 1e-12)
+    with pytest.raises(RuntimeError, match="out must be Float, got BFloat16"):
+        ext.attention_finish(ctx.bfloat16(), v, None, None, True, 1e-12)
 
 
 def test_model_with_the_cpp_finish_matches_the_pytorch_path():

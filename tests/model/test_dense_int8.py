@@ -132,3 +132,38 @@ def test_q_k_v_in_bf16_read_one_rounding_of_the_input_and_give_the_bits_of_three
     assert fp32_inputs == 1  # x rounded once, not once per layer
     assert all(t.dtype == torch.float32 for t in together)
     assert all(torch.equal(t, a) for t, a in zip(together, alone))
+
+
+def test_bf16_q_k_v_reach_the_yoso_core_as_they_are_and_give_the_bits_of_their_fp32_copies(monkeypatch):
+    """In bf16 the Q/K/V products go to the YOSO core as the GEMMs' own bf16 outputs (no fp32 copies) where the
+    core reads them as their exact fp32 values and the output GEMM rounds the context to bf16 anyway: the
+    model's vectors keep their bits, exact and hashed, with padding; with an fp32 output layer they stay fp32."""
+    if encoder.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
+    from yoso_serve.model.attention.yoso import YosoAttentionCore
+
+    model = load_pretrained(default_model_dir())
+    encoder.set_dense_dtype(model, "bf16")
+    if not model.encoder.encoder.layer[0].attention.self.core.reads_bf16():
+        pytest.skip("the C++ kernels are not built")
+    seen = []
+    real_forward = YosoAttentionCore.forward
+    monkeypatch.setattr(YosoAttentionCore, "forward", lambda self, q, *a, **k: seen.append(q.dtype)
+                        or real_forward(self, q, *a, **k))
+    ids = torch.randint(1000, 20000, (3, 150), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(150)[None, :] < torch.tensor([150, 97, 12])[:, None]).long()
+    with torch.inference_mode():
+        direct = {h: model.embed(ids, mask, hashes=h) for h in (0, 8)}
+        assert set(seen) == {torch.bfloat16}
+        monkeypatch.setattr(YosoAttentionCore, "reads_bf16", lambda self: False)
+        seen.clear()
+        copies = {h: model.embed(ids, mask, hashes=h) for h in (0, 8)}
+        assert set(seen) == {torch.float32}
+        monkeypatch.undo()
+        seen.clear()
+        monkeypatch.setattr(YosoAttentionCore, "forward", lambda self, q, *a, **k: seen.append(q.dtype)
+                            or real_forward(self, q, *a, **k))
+        model.encoder.encoder.layer[2].attention.output.dense.bf16 = False  # its reader in fp32: no bf16 context
+        model.embed(ids, mask, hashes=0)
+    assert all(torch.equal(direct[h], copies[h]) for h in (0, 8))
+    assert seen[2] == torch.float32 and seen.count(torch.bfloat16) == len(seen) - 1
