@@ -88,10 +88,9 @@ def _cpp_fused(ext):
     # (B, N, H, D) memory: a model's head split and merge cost no copies.
     def fused(q, k, v, key_mask, num_hashes, hash_bits, seed, fast_hash, int8=False):
         keep = None if key_mask is None else key_mask.to(torch.bool).contiguous()
-        if num_hashes == 0 and q.dtype == k.dtype == v.dtype == torch.bfloat16:  # read as they are: no fp32 copies
-            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-            return ext.exact_attention(q, k, v, keep, hash_bits)
-        q, k, v = (t.float() if t.stride(-1) == 1 else t.float().contiguous() for t in (q, k, v))
+        as_is = q.dtype == k.dtype == v.dtype == torch.bfloat16  # read as their fp32 values: no fp32 copies
+        q, k, v = (t if as_is else t.float() for t in (q, k, v))
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         if num_hashes == 0:
             return ext.exact_attention(q, k, v, keep, hash_bits)
         if int8:

@@ -37,7 +37,7 @@ struct AttentionParams {
   const void* q;         // (B, H, N, D), any scale: a code is a sign pattern; fp32, or bf16 where bf16 is set
   const void* k;         // (B, H, N, D)
   const void* v;         // (B, H, N, Dv)
-  bool bf16;             // q, k, v hold bf16 (the top 16 bits of an fp32): exact_attention only
+  bool bf16;             // q, k, v hold bf16 (the top 16 bits of an fp32), read as their fp32 values
   const float* proj;     // (H, D, m * hash_bits), as HashParams
   const uint8_t* keep;   // (B, N) 0 = padded token (masked key and query), or null
   float* out;            // (B, H, N, Dv), zero on entry (exact_attention writes every row: any contents)

@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -74,13 +73,10 @@ void forward_block(const float* q, int64_t d, const float* kt, int64_t ldk, cons
   }
 }
 
-// bf16 -> fp32 is exact: a bf16 is the top half of an fp32
+// A row as fp32: an fp32 row as it is, a bf16 row widened (exactly) into `to`
 inline const float* widen(const float* x, int64_t, float*) { return x; }
 inline const float* widen(const uint16_t* x, int64_t count, float* to) {
-  for (int64_t c = 0; c < count; ++c) {
-    const uint32_t bits = uint32_t(x[c]) << 16;
-    std::memcpy(to + c, &bits, sizeof bits);
-  }
+  simd::widen_bf16(x, count, to);
   return to;
 }
 

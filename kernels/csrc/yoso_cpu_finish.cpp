@@ -18,10 +18,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "yoso_check.h"
+#include "yoso_cpu_simd.h"
 
 namespace {
 
@@ -89,15 +89,6 @@ void finish_rows(const Rows& r, int64_t i0, int64_t i1, bool normalize, float ep
   }
 }
 
-// rows x d bf16 values (row stride ld) -> fp32, exactly (a bf16 is the top half of an fp32)
-void widen_rows(const uint16_t* x, int64_t ld, int64_t rows, int64_t d, float* to) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < d; ++c) {
-      const uint32_t bits = uint32_t(x[r * ld + c]) << 16;
-      std::memcpy(to + r * d + c, &bits, sizeof bits);
-    }
-}
-
 void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::optional<torch::Tensor>& weight,
                       const c10::optional<torch::Tensor>& keep, bool normalize, double eps) {
   check_view(out, "out");
@@ -145,7 +136,8 @@ void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::opti
         } else if (w != nullptr) {  // the rows the taps reach, widened
           rows.v_first = std::max<int64_t>(0, i0 - window / 2);
           const int64_t end = std::min(n, i1 + window / 2);
-          widen_rows(vp16 + b * vs[0] + h * vs[1] + rows.v_first * vs[2], vs[2], end - rows.v_first, d, wide.data());
+          for (int64_t j = rows.v_first; j < end; ++j)
+            yoso::simd::widen_bf16(vp16 + b * vs[0] + h * vs[1] + j * vs[2], d, wide.data() + (j - rows.v_first) * d);
           rows.v = wide.data();
         }
         finish_rows(rows, i0, i1, normalize, feps, acc.data());

@@ -2,7 +2,7 @@
 //
 //   lsh_attention(q, k, v, proj, keep, num_hashes, hash_bits, int8=False, packed=None) -> (B, H, N, Dv) fp32
 //   exact_attention(q, k, v, keep, hash_bits)                        -> (B, H, N, Dv) fp32, inference
-//                                                  (q, k, v all fp32 or all bf16)
+//     (both: q, k, v all fp32 or all bf16, read as their fp32 values)
 //   exact_forward(q, k, v, keep, hash_bits)                          -> (BH, N, Dv) fp32
 //   exact_backward(q, k, v, keep, grad, hash_bits, true_grad, min_sine) -> [grad q, k, v]
 //   collision_probability(cosines, hash_bits)                        -> (1 - arccos/pi)^tau, fp32
@@ -32,12 +32,12 @@ using yoso::kMaxHashBits;
 
 // q, k, v (B, H, N, D|Dv) views and keep (B, N) bool or None -> params with strides and an output
 // allocated as (B, N, H, Dv), returned as its (B, H, N, Dv) view so the heads merge without a copy.
-// With bf16_ok, q, k and v may instead all be BFloat16 (exact_attention reads them as they are).
+// q, k and v all fp32 or all BFloat16 (read as they are); the output fp32, zeroed where `cleared`.
 std::pair<yoso::AttentionParams, torch::Tensor> attention_params(const torch::Tensor& q, const torch::Tensor& k,
                                                                  const torch::Tensor& v,
                                                                  const c10::optional<torch::Tensor>& keep,
-                                                                 bool bf16_ok = false) {
-  const bool bf16 = bf16_ok && q.scalar_type() == at::kBFloat16;
+                                                                 bool cleared) {
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
   check_view(q, "q", bf16);
   check_view(k, "k", bf16);
   check_view(v, "v", bf16);
@@ -50,10 +50,10 @@ std::pair<yoso::AttentionParams, torch::Tensor> attention_params(const torch::Te
     YOSO_CHECK(keep->size(0) == q.size(0) && keep->size(1) == q.size(2), "keep must be (B, N) = (", q.size(0),
                ", ", q.size(2), "), got ", keep->sizes());
   }
-  // exact_attention writes every row; the LSH cumulation adds into zeros
+  // exact_attention writes every row (not cleared); the LSH cumulation adds into zeros
   const auto shape = {v.size(0), v.size(2), v.size(1), v.size(3)};
   const auto options = v.options().dtype(at::kFloat);
-  torch::Tensor out = (bf16_ok ? torch::empty(shape, options) : torch::zeros(shape, options)).transpose(1, 2);
+  torch::Tensor out = (cleared ? torch::zeros(shape, options) : torch::empty(shape, options)).transpose(1, 2);
   yoso::AttentionParams p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -82,7 +82,7 @@ torch::Tensor lsh_attention(const torch::Tensor& q, const torch::Tensor& k, cons
              hash_bits);
   YOSO_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
   check_tensor(proj, "proj", at::kFloat, 3);
-  auto [p, out] = attention_params(q, k, v, keep);
+  auto [p, out] = attention_params(q, k, v, keep, true);
   YOSO_CHECK(proj.size(0) == q.size(1) && proj.size(1) == q.size(3) && proj.size(2) == num_hashes * hash_bits,
              "proj must be (H, D, num_hashes*hash_bits) = (", q.size(1), ", ", q.size(3), ", ",
              num_hashes * hash_bits, "), got ", proj.sizes());
@@ -104,7 +104,7 @@ torch::Tensor exact_attention(const torch::Tensor& q, const torch::Tensor& k, co
                               const c10::optional<torch::Tensor>& keep, int64_t hash_bits) {
   YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
              hash_bits);
-  auto [p, out] = attention_params(q, k, v, keep, true);
+  auto [p, out] = attention_params(q, k, v, keep, false);
   if (out.numel() == 0) return out;
   p.hash_bits = int(hash_bits);
   run_without_gil([&] { yoso::exact_attention(p, at::get_num_threads()); });

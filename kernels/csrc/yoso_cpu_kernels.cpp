@@ -362,10 +362,11 @@ void lsh_weighted_cumulate(const CumulateParams& p, int nthreads) {
   over_heads<WeightedTables>(p, threads_for(ops, nthreads), weighted_cumulate_head);
 }
 
-// Scratch of the fused op for one team: one head's codes and bucket tables.
+// Scratch of the fused op for one team: one head's codes and bucket tables (and its values widened from bf16).
 struct FusedScratch {
   ValueTables tables;
   std::vector<int32_t> q_codes, k_codes;  // (m, N) each
+  std::vector<float> values;              // (N, Dv), bf16 inputs only
 
   explicit FusedScratch(const CumulateParams& p) : tables(p), q_codes(p.m * p.nq), k_codes(p.m * p.nk) {}
 };
@@ -385,31 +386,50 @@ void lsh_attention(const AttentionParams& a, int nthreads) {
     const int64_t batch = b / a.heads, head = b % a.heads;
     const float* w = a.proj + head * a.d * cols;
     const uint8_t* keep = a.keep ? a.keep + batch * a.n : nullptr;
+    const int64_t v_offset = batch * a.v_stride[0] + head * a.v_stride[1];
+    const float* v = a.bf16 ? nullptr : static_cast<const float*>(a.v) + v_offset;
+    int64_t ldv = a.v_stride[2];
+    if (a.bf16) ws.values.resize(a.n * a.dv);
 #pragma omp parallel num_threads(team) if (team > 1)
     {
-      std::vector<float> scores(kHashBlock * score_stride(cols));
+      std::vector<float> scores(kHashBlock * score_stride(cols)), wide(a.bf16 ? kHashBlock * a.d : 0);
 #pragma omp for schedule(static)
       for (int64_t item = 0; item < 2 * blocks; ++item) {
         const bool key = item >= blocks;
         const int64_t i0 = (item % blocks) * kHashBlock, i1 = std::min(a.n, i0 + kHashBlock);
-        int32_t* codes = key ? ws.k_codes.data() : ws.q_codes.data();
-        const float* x = key ? static_cast<const float*>(a.k) + batch * a.k_stride[0] + head * a.k_stride[1]
-                             : static_cast<const float*>(a.q) + batch * a.q_stride[0] + head * a.q_stride[1];
-        const int64_t ldx = key ? a.k_stride[2] : a.q_stride[2];
+        int32_t* codes = (key ? ws.k_codes.data() : ws.q_codes.data()) + i0;
+        const int64_t offset = key ? batch * a.k_stride[0] + head * a.k_stride[1] + i0 * a.k_stride[2]
+                                   : batch * a.q_stride[0] + head * a.q_stride[1] + i0 * a.q_stride[2];
+        int64_t ldx = key ? a.k_stride[2] : a.q_stride[2];
+        const float* x = wide.data();
+        if (!a.bf16) {
+          x = static_cast<const float*>(key ? a.k : a.q) + offset;
+        } else {  // the block's rows widened (exactly): the codes of their fp32 values
+          const uint16_t* x16 = static_cast<const uint16_t*>(key ? a.k : a.q) + offset;
+          for (int64_t r = 0; r < i1 - i0; ++r) simd::widen_bf16(x16 + r * ldx, a.d, wide.data() + r * a.d);
+          ldx = a.d;
+        }
         if (a.int8)
-          simd::hash_rows_i8(x + i0 * ldx, ldx, i1 - i0, a.d, a.proj, planes, head, a.m, a.hash_bits, codes + i0, a.n);
+          simd::hash_rows_i8(x, ldx, i1 - i0, a.d, a.proj, planes, head, a.m, a.hash_bits, codes, a.n);
         else
-          hash_block(x, ldx, w, a.d, a.m, a.hash_bits, i0, i1, codes, a.n, scores.data());
+          hash_block(x, ldx, w, a.d, a.m, a.hash_bits, 0, i1 - i0, codes, a.n, scores.data());
         if (keep != nullptr)
           for (int64_t h = 0; h < a.m; ++h)
             for (int64_t i = i0; i < i1; ++i)
-              if (!keep[i]) codes[h * a.n + i] = -1;
+              if (!keep[i]) codes[h * a.n + i - i0] = -1;
+      }
+      if (a.bf16) {
+        const uint16_t* v16 = static_cast<const uint16_t*>(a.v) + v_offset;
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < a.n; ++j) simd::widen_bf16(v16 + j * ldv, a.dv, ws.values.data() + j * a.dv);
       }
     }
-    cumulate_one(p, ws.q_codes.data(), ws.k_codes.data(),
-                 static_cast<const float*>(a.v) + batch * a.v_stride[0] + head * a.v_stride[1],
-                 a.v_stride[2], a.out + batch * a.out_stride[0] + head * a.out_stride[1], a.out_stride[2], ws.tables,
-                 team);
+    if (a.bf16) {
+      v = ws.values.data();
+      ldv = a.dv;
+    }
+    cumulate_one(p, ws.q_codes.data(), ws.k_codes.data(), v, ldv,
+                 a.out + batch * a.out_stride[0] + head * a.out_stride[1], a.out_stride[2], ws.tables, team);
   });
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace yoso::simd {
@@ -56,6 +57,14 @@ const char* int8_level();
 
 // Largest |arccos error| of the polynomial used above, in radians (Abramowitz & Stegun 4.4.46).
 constexpr double kArccosMaxError = 2e-8;
+
+// x (count bf16 values: each the top 16 bits of an fp32) -> to (count fp32), exactly.
+inline void widen_bf16(const uint16_t* x, int64_t count, float* to) {
+  for (int64_t c = 0; c < count; ++c) {
+    const uint32_t bits = uint32_t(x[c]) << 16;
+    std::memcpy(to + c, &bits, sizeof bits);
+  }
+}
 
 // Which bodies run: "avx2" or "portable" (YOSO_CPU_PORTABLE=1 in the environment forces the latter).
 const char* level();

@@ -24,6 +24,7 @@ import torch
 from yoso_serve.kernels import yoso_attention
 from yoso_serve.kernels.exact import ARCCOS_MAX_ERROR, MIN_SINE
 from yoso_serve.kernels.hashing import projection_planes
+from yoso_serve.kernels.yoso import _int8_packed
 
 
 def masked_codes(ext, x, proj, m, bits, keep):
@@ -266,9 +267,10 @@ def test_fused_ops_read_head_split_views_and_write_merged_heads(ext, oracles, di
 
 @pytest.mark.parametrize("length", [1, 61, 137, 300])  # one query block, several, and past one key block (256)
 @pytest.mark.parametrize("dim", [32, 13])
-def test_exact_attention_reads_bf16_as_its_fp32_values_and_writes_every_row(ext, oracles, length, dim):
-    """bf16 q, k, v (head-split views, as the bf16 projections give them) give the bits of their fp32 copies;
-    the output is not cleared first, so every row, padded ones as zeros, must be written."""
+def test_fused_ops_read_bf16_as_its_fp32_values_and_exact_writes_every_row(ext, oracles, length, dim):
+    """bf16 q, k, v (head-split views, as the bf16 projections give them) give the bits of their fp32 copies in
+    both fused ops (LSH with fp32 and int8 hashing); exact's output is not cleared first, so every row, padded
+    ones as zeros, must be written."""
     gen = torch.Generator().manual_seed(length)
     q, k, v = (torch.randn(3, length, 4, dim, generator=gen).bfloat16().transpose(1, 2) for _ in range(3))
     keep = oracles.lengths_mask([length, max(1, length // 2), max(1, length - 3)], length)
@@ -278,6 +280,12 @@ def test_exact_attention_reads_bf16_as_its_fp32_values_and_writes_every_row(ext,
         got = ext.exact_attention(q, k, v, keep, 8)
         assert torch.equal(got, ext.exact_attention(q.float(), k.float(), v.float(), keep, 8))
         assert not got.isnan().any() and (got[~keep[:, None, :].expand(3, 4, length)] == 0).all()
+    proj = projection_planes(5, 4, 6, 8, dim, True, torch.device("cpu"))
+    wide = [t.float() for t in (q, k, v)]
+    assert torch.equal(ext.lsh_attention(q, k, v, proj, keep, 6, 8), ext.lsh_attention(*wide, proj, keep, 6, 8))
+    proj8, packed = _int8_packed(ext, 5, 4, 6, 8, dim, True)  # int8 hashing
+    assert torch.equal(ext.lsh_attention(q, k, v, proj8, keep, 6, 8, True, packed),
+                       ext.lsh_attention(*wide, proj8, keep, 6, 8, True, packed))
     with pytest.raises(RuntimeError, match="k must be BFloat16, got Float"):
         ext.exact_attention(q, k.float(), v, keep, 8)
     with pytest.raises(RuntimeError, match="v must be Float, got BFloat16"):
