@@ -97,7 +97,9 @@ def tables(runs: list[dict], peers: list, concurrency: list[int]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], peers: list, concurrency: list[int], long_concurrency: int, path) -> None:
+def plot(runs: list[dict], peers: list, concurrency: list[int], long_concurrency: int, path,
+         dense: str | None = None) -> None:
+    """``dense``: the dense dtype yoso-serve's /info reported (the legend says it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,7 +107,8 @@ def plot(runs: list[dict], peers: list, concurrency: list[int], long_concurrency
 
     from _sections import save_figure
 
-    servers = [("yoso", "yoso-serve (defaults)")] + [(p.key, p.label) for p in peers]
+    yoso = "yoso-serve (defaults)" if dense is None else f"yoso-serve (dense {dense})"
+    servers = [("yoso", yoso)] + [(p.key, p.label) for p in peers]
     fig, (ax_s, ax_l) = plt.subplots(1, 2, figsize=(14, 4.8))
     width = 0.8 / len(servers)
     for ax, groups in ((ax_s, [m for m in measures(concurrency) if m.unit == "req/s"]),

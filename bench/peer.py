@@ -252,7 +252,7 @@ def main() -> None:
     floor_md = floor_table(floor_rows(runs, dense), runs) if dense else ""
     print(f"machine: {saved['machine']}; {saved['date']}; command: {command}\nran as: {saved['ran_as']}\n\n{md}"
           f"\n\n{floor_md}")
-    plot(runs, peers, args.concurrency, args.long_concurrency, PLOT)
+    plot(runs, peers, args.concurrency, args.long_concurrency, PLOT, saved["ran_as"].get("yoso"))
     if dense:
         plot_floor(floor_rows(runs, dense), FLOOR_PLOT)
     if args.write_docs and peers and not saved["failed"]:
