@@ -42,7 +42,7 @@ std::string message(std::initializer_list<MessagePiece> pieces);
 #define YOSO_CHECK(cond, ...) TORCH_CHECK(cond, ::yoso::message({__VA_ARGS__}))
 
 // Defined in yoso_cpu.cpp for every binding of the CPU extension. check_tensor: device, dtype, rank and
-// contiguity; check_view: a (B, H, N, D) fp32 CPU view with unit stride along D; both with messages that
+// contiguity; check_view: a (B, H, N, D) fp32 (or bf16) CPU view with unit stride along D; both with messages that
 // name the limit. run_without_gil: the kernel with the GIL released (checks and errors keep it).
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank);
 void check_view(const at::Tensor& t, const char* name, bool bf16 = false);  // bf16: BFloat16 instead of fp32

@@ -70,8 +70,8 @@ void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype
   YOSO_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
-// A (B, H, N, D) fp32 CPU view whose last dimension has unit stride (a head split needs no copy);
-// the fused ops and the layer's finish read such views as they are.
+// A (B, H, N, D) fp32 (or, with bf16, BFloat16) CPU view whose last dimension has unit stride (a head split
+// needs no copy); the fused ops and the layer's finish read such views as they are.
 void check_view(const torch::Tensor& t, const char* name, bool bf16) {
   YOSO_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
   const auto want = bf16 ? at::kBFloat16 : at::kFloat;

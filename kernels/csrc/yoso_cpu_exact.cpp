@@ -110,12 +110,13 @@ void exact_attention_t(const AttentionParams& a, int nthreads) {
         for (int64_t c = 0; c < d; ++c) kt[c * n + i] = rk[c] * sk;
       }
       const T* xv = v + batch * a.v_stride[0] + head * a.v_stride[1];
-      const float* values = reinterpret_cast<const float*>(xv);
-      int64_t ldv = a.v_stride[2];
-      if constexpr (!kWide) {
+      const float* values = vs.data();
+      int64_t ldv = dv;
+      if constexpr (kWide) {
+        values = xv;
+        ldv = a.v_stride[2];
+      } else {
         for (int64_t i = 0; i < real; ++i) widen(xv + i * a.v_stride[2], dv, vs.data() + i * dv);
-        values = vs.data();
-        ldv = dv;
       }
       float* out = a.out + batch * a.out_stride[0] + head * a.out_stride[1];
       for (int64_t i0 = 0; i0 < n; i0 += kQueryBlock) {
