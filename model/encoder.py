@@ -88,14 +88,13 @@ class Linear(nn.Linear):
     mode), results within fp32 rounding of aten's, and row-independent as aten's (a text's rows give
     the same bits alone or in a batch). Why: on an AMD EPYC (Zen 4, 2 cores) the MKL sgemm behind aten
     ran the model's shapes at 87–154 GFLOP/s and oneDNN at 120–185 (bench/linear.py); these GEMMs are
-    ~75 % of a short-text forward, and the separate GELU pass over the (rows, 1536) output
-    another ~20 %. Anything with a gradient, another device or dtype, and tracing or export (ONNX)
-    take the plain ``F.linear``.
+    ~75 % of a short-text forward, and the separate GELU pass over the (rows, 1536) output another ~20 %. Anything
+    with a gradient, another device or dtype, and tracing or export (ONNX) take the plain ``F.linear``.
 
     With ``bf16`` set (:func:`set_dense_dtype`; the server's ``--dense-dtype``), that same inference path
     multiplies in bf16 (oneDNN, fp32 accumulation) with a bf16 copy of the weights: inputs and outputs are
-    rounded to bf16, outputs come back as fp32 (the residual add of :meth:`plus` in fp32), except
-    :meth:`activated`'s, which stays bf16 for the next GEMM that rounds it anyway. About 1.7x the GEMM
+    rounded to bf16, outputs come back as fp32 (the residual add of :meth:`plus` in fp32), except those of
+    :meth:`activated` and :meth:`bf16_product`, which stay bf16 for readers that take bf16. About 1.7x the GEMM
     speed where the CPU has bf16 instructions (:func:`native_bf16`); the model's outputs move by about
     1e-3 relative (docs/benchmarks.md, "bf16 GEMMs").
 
