@@ -259,7 +259,7 @@ class YosoSelfAttention(nn.Module):
                 bf16_context: bool = False) -> torch.Tensor:
         """hidden (B, N, hidden), mask (B, N) bool or None, hashes ≥ 0 (0 = exact) → (B, N, hidden); with
         ``bf16_context`` (its reader rounds it anyway) a core that ``reads_bf16`` gets bf16 Q/K/V, gives bf16."""
-        bf16 = bf16_context and getattr(self.core, "reads_bf16", lambda: False)()
+        bf16 = bf16_context and self.core.reads_bf16()
         q, k, v = (self.split_heads(t) for t in project([self.query, self.key, self.value], hidden, bf16_out=bf16))
         if self.core.uses_hashes:  # YOSO; its core also adds the YOSO-C convolution (one pass on CPU)
             context = self.core(q, k, v, mask, hashes=hashes, conv=self.conv)  # (B, H, N, d)

@@ -89,7 +89,7 @@ void exact_attention_t(const AttentionParams& a, int nthreads) {
   constexpr bool kWide = std::is_same<T, float>::value;  // v is read in place; bf16 values are widened first
 #pragma omp parallel num_threads(threads_for_heads(bh, n, d, dv, nthreads))
   {
-    std::vector<float> qs(n * d), kt(d * n), keep(n), vs(kWide ? 0 : n * dv), row(std::max(d, dv));
+    std::vector<float> qs(n * d), kt(d * n), keep(n), vs(kWide ? 0 : n * dv), row(d);
     std::vector<float> tile(kQueryBlock * kKeyBlock), acc(kQueryBlock * dv);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < bh; ++b) {

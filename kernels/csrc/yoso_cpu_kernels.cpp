@@ -387,8 +387,6 @@ void lsh_attention(const AttentionParams& a, int nthreads) {
     const float* w = a.proj + head * a.d * cols;
     const uint8_t* keep = a.keep ? a.keep + batch * a.n : nullptr;
     const int64_t v_offset = batch * a.v_stride[0] + head * a.v_stride[1];
-    const float* v = a.bf16 ? nullptr : static_cast<const float*>(a.v) + v_offset;
-    int64_t ldv = a.v_stride[2];
     if (a.bf16) ws.values.resize(a.n * a.dv);
 #pragma omp parallel num_threads(team) if (team > 1)
     {
@@ -421,13 +419,11 @@ void lsh_attention(const AttentionParams& a, int nthreads) {
       if (a.bf16) {
         const uint16_t* v16 = static_cast<const uint16_t*>(a.v) + v_offset;
 #pragma omp for schedule(static)
-        for (int64_t j = 0; j < a.n; ++j) simd::widen_bf16(v16 + j * ldv, a.dv, ws.values.data() + j * a.dv);
+        for (int64_t j = 0; j < a.n; ++j) simd::widen_bf16(v16 + j * a.v_stride[2], a.dv, ws.values.data() + j * a.dv);
       }
     }
-    if (a.bf16) {
-      v = ws.values.data();
-      ldv = a.dv;
-    }
+    const float* v = a.bf16 ? ws.values.data() : static_cast<const float*>(a.v) + v_offset;
+    const int64_t ldv = a.bf16 ? a.dv : a.v_stride[2];
     cumulate_one(p, ws.q_codes.data(), ws.k_codes.data(), v, ldv,
                  a.out + batch * a.out_stride[0] + head * a.out_stride[1], a.out_stride[2], ws.tables, team);
   });

@@ -43,6 +43,11 @@ class AttentionCore(nn.Module):
         self.heads = config.num_attention_heads
         self.head_dim = config.head_dim
 
+    def reads_bf16(self) -> bool:
+        """Whether bf16 q, k, v from the layer's bf16 projections may come in as they are, giving the results of
+        their fp32 values (the output then in bf16). None of the others computes in fp32 whatever it is given."""
+        return False
+
 
 def register(cls: type[AttentionCore]) -> type[AttentionCore]:
     """Class decorator: make ``cls`` the core of ``attention_type == cls.name``."""
