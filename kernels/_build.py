@@ -47,10 +47,11 @@ _DEFAULT_BUILD_TIMEOUT = 900.0
 _POLICIES = ("auto", "torch", "cpp")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # The torch-facing bindings (module, fused ops, the layer's finish, the passes around the dense layers' int8
-# and bf16 GEMMs) and three torch-free kernel files: LSH, SIMD, exact YOSO-E (the headers only declare structs
-# and functions, so any kernel change shows in a source's hash).
+# and bf16 GEMMs) and the torch-free kernel files: LSH, weighted LSH, SIMD, int8 hashing, exact YOSO-E. The
+# headers hold structs, declarations and a few inline helpers: ninja's dependency files rebuild what
+# includes a changed one.
 _SOURCES = [_CSRC / f"yoso_cpu{part}.cpp"
-            for part in ("", "_fused", "_finish", "_quant", "_kernels", "_simd", "_exact")]
+            for part in ("", "_fused", "_finish", "_quant", "_kernels", "_weighted", "_simd", "_simd_i8", "_exact")]
 _EXTENSION_NAME = "yoso_serve_cpu"
 
 logger = logging.getLogger("yoso_serve.kernels")
@@ -209,7 +210,8 @@ def backend_info() -> dict:
 
 # ---- CUDA extension: the same binding plus the yoso_cuda*.cu kernels, built with -DWITH_CUDA ----
 
-_CUDA_SOURCES = [*_SOURCES, *(_CSRC / name for name in ("yoso_cuda.cu", "yoso_cuda_weighted.cu", "yoso_cuda_hash.cu"))]
+_CUDA_SOURCES = [*_SOURCES, *(_CSRC / name for name in ("yoso_cuda_ops.cpp", "yoso_cuda.cu", "yoso_cuda_weighted.cu",
+                                                       "yoso_cuda_hash.cu"))]
 _CUDA_EXTENSION_NAME = "yoso_serve_cuda"
 # The Docker image's targets: A100 (8.0), A10/RTX 30xx (8.6), L4/L40 (8.9), H100/H200 (9.0).
 DOCKER_CUDA_ARCHS = "8.0;8.6;8.9;9.0"

@@ -47,3 +47,7 @@ std::string message(std::initializer_list<MessagePiece> pieces);
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t rank);
 void check_view(const at::Tensor& t, const char* name, bool bf16 = false);  // bf16: BFloat16 instead of fp32
 void run_without_gil(const std::function<void()>& kernel);
+// The code/value shape rules both devices share (yoso_cpu.cpp), once rank, dtype and device are checked, then
+// (unless check_range is false: no host sync on a GPU) the codes' range; returns the bucket count 2^hash_bits.
+int64_t check_codes_against_values(const at::Tensor& q_codes, const at::Tensor& k_codes, const at::Tensor& v,
+                                   int64_t hash_bits, bool check_range = true);

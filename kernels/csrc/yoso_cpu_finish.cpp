@@ -21,19 +21,12 @@
 #include <vector>
 
 #include "yoso_check.h"
+#include "yoso_cpu_kernels.h"  // YOSO_SIMD_CLONES: hot loops for AVX2+FMA and the baseline, picked per machine
 #include "yoso_cpu_simd.h"
 
 namespace {
 
 constexpr int64_t kRowsPerTask = 64;
-
-// Hot loops compiled for AVX2+FMA and the baseline, picked per machine by the loader (as in
-// yoso_cpu_kernels.cpp): the build stays portable and a given machine always runs the same code.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define YOSO_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define YOSO_SIMD_CLONES
-#endif
 
 // One (batch, head)'s rows: out and v rows ldo / ldv floats apart, keep (N) or null, w (W) or null.
 // v points at row v_first of the values (0, or the first row a task's widened copy holds).

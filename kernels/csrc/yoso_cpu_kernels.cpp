@@ -1,4 +1,5 @@
-// YOSO CPU kernels (OpenMP): LSH cumulation, weighted cumulation, hash codes.
+// YOSO CPU kernels (OpenMP): LSH cumulation, the fused LSH attention, hash codes (the weighted
+// cumulation: yoso_cpu_weighted.cpp).
 //
 // Determinism: every output row is owned by exactly one thread and is accumulated hash by
 // hash in increasing h; every bucket table is filled by one thread scanning keys in
@@ -10,6 +11,7 @@
 // No torch headers here: this file compiles in seconds.
 
 #include "yoso_cpu.h"
+#include "yoso_cpu_kernels.h"
 #include "yoso_cpu_simd.h"
 
 #include <omp.h>
@@ -18,55 +20,22 @@
 #include <type_traits>
 #include <vector>
 
-// Hot loops are compiled twice, for AVX2+FMA (x86-64-v3) and for the baseline, and the loader
-// picks one per machine: the build stays portable (no -march=native) and a given machine
-// always runs the same code.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define YOSO_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define YOSO_SIMD_CLONES
-#endif
-
 namespace yoso {
 namespace {
+
+using kern::clear_slots;
+using kern::kRowBlock;
+using kern::over_heads;
+using kern::threads_for;
 
 // Bucket tables of a group of hashes are built before the queries read them; the group is as
 // many hashes as fit this budget (at least one). tau=8, D=64: 64 KiB per hash, so all of m=32
 // hashes fit and every output row is finished in one pass.
 constexpr int64_t kTableBudgetBytes = int64_t(16) << 20;
-// The weighted table (Dw x Dv per bucket) is used only while it stays under this size; past
-// it (large tau, long sequences) the per-bucket key lists are walked directly.
-constexpr int64_t kWeightedTableBudgetBytes = int64_t(64) << 20;
-constexpr int64_t kRowBlock = 64;  // query rows per work item
-// Fewest multiply-adds worth waking another thread for (about 0.1 ms of work): like torch's
-// grain size, small calls stay on the calling thread, where a shared CPU cannot stall them at
-// a barrier waiting for a descheduled worker. Thread counts never change results.
-constexpr int64_t kGrainOps = int64_t(1) << 18;
-
-int threads_for(int64_t ops, int nthreads) {
-  return int(std::max<int64_t>(1, std::min<int64_t>(nthreads, ops / kGrainOps)));
-}
 
 inline void add_row(float* __restrict dst, const float* __restrict src, int64_t n) {
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) dst[d] += src[d];
-}
-
-inline void axpy_row(float* __restrict dst, float a, const float* __restrict src, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] += a * src[d];
-}
-
-inline void scale_row(float* __restrict dst, float a, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] *= a;
-}
-
-inline float dot_row(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
-  return s;
 }
 
 // Sum V rows per occupied bucket of one hash; slots are numbered by first key to arrive. kDv is the
@@ -88,11 +57,6 @@ YOSO_SIMD_CLONES void build_value_table(const int32_t* codes, const float* v, in
       add_row(table + int64_t(s) * width, v + j * ldv, width);
     }
   }
-}
-
-void clear_slots(const int32_t* codes, int64_t nk, int32_t* slot_of) {
-  for (int64_t j = 0; j < nk; ++j)
-    if (codes[j] >= 0) slot_of[codes[j]] = -1;
 }
 
 // Rows [i0, i1) of one (batch*head) add the tables of hashes h0 .. h0+hn-1, each row its hashes in
@@ -131,66 +95,6 @@ YOSO_SIMD_CLONES void gather_block_fixed(const int32_t* qc, int64_t nq, int64_t 
     if (scale != 1.f)
       for (int d = 0; d < DV; ++d) acc[d] *= scale;
     for (int d = 0; d < DV; ++d) o[d] = acc[d];
-  }
-}
-
-// Keys of one hash grouped by bucket (a counting sort that keeps j increasing in a bucket).
-struct BucketLists {
-  std::vector<int32_t> slot_of;  // code -> slot, -1 when no key has that code
-  std::vector<int64_t> start;    // slot -> first index into order; start[used] = keys kept
-  std::vector<int32_t> order;    // key indices, bucket by bucket
-  int32_t used = 0;
-
-  BucketLists(int64_t buckets, int64_t nk) : slot_of(buckets, -1), start(std::min(buckets, nk) + 1), order(nk) {}
-
-  void build(const int32_t* codes, int64_t nk) {
-    used = 0;
-    std::fill(start.begin(), start.end(), 0);
-    for (int64_t j = 0; j < nk; ++j) {
-      const int32_t c = codes[j];
-      if (c < 0) continue;
-      if (slot_of[c] < 0) slot_of[c] = used++;
-      ++start[slot_of[c] + 1];
-    }
-    for (int32_t s = 0; s < used; ++s) start[s + 1] += start[s];
-    std::vector<int64_t> next(start.begin(), start.begin() + used);
-    for (int64_t j = 0; j < nk; ++j)
-      if (codes[j] >= 0) order[next[slot_of[codes[j]]]++] = int32_t(j);
-  }
-
-  int32_t slot(int32_t code) const { return code < 0 ? -1 : slot_of[code]; }
-};
-
-// Rows [a0, a1) of bucket s's Dw x Dv table: sum over its keys of k_w[j][a] * v[j].
-YOSO_SIMD_CLONES
-void fill_weighted_table(const CumulateParams& p, const BucketLists& lists, const float* kw, const float* v,
-                         int64_t s, int64_t a0, int64_t a1, float* table) {
-  std::fill(table + a0 * p.dv, table + a1 * p.dv, 0.f);
-  for (int64_t e = lists.start[s]; e < lists.start[s + 1]; ++e) {
-    const int64_t j = lists.order[e];
-    for (int64_t a = a0; a < a1; ++a) axpy_row(table + a * p.dv, kw[j * p.dw + a], v + j * p.dv, p.dv);
-  }
-}
-
-// Rows [i0, i1) of one hash: out[i] += q_w[i] @ T[bucket(i)] (table) or walk the bucket's keys.
-YOSO_SIMD_CLONES
-void gather_weighted_rows(const CumulateParams& p, const BucketLists& lists, const int32_t* qc, const float* qw,
-                          const float* kw, const float* v, const float* table, float* out, int64_t i0, int64_t i1,
-                          float scale) {
-  const int64_t cell = p.dw * p.dv;
-  for (int64_t i = i0; i < i1; ++i) {
-    float* o = out + i * p.dv;
-    const int32_t s = lists.slot(qc[i]);
-    if (s >= 0 && table != nullptr) {
-      const float* t = table + int64_t(s) * cell;
-      for (int64_t a = 0; a < p.dw; ++a) axpy_row(o, qw[i * p.dw + a], t + a * p.dv, p.dv);
-    } else if (s >= 0) {
-      for (int64_t e = lists.start[s]; e < lists.start[s + 1]; ++e) {
-        const int64_t j = lists.order[e];
-        axpy_row(o, dot_row(qw + i * p.dw, kw + j * p.dw, p.dw), v + j * p.dv, p.dv);
-      }
-    }
-    if (scale != 1.f) scale_row(o, scale, p.dv);
   }
 }
 
@@ -275,91 +179,11 @@ void cumulate_head(const CumulateParams& p, int64_t b, ValueTables& ws, int team
                p.out + b * p.nq * p.dv, p.dv, ws, team);
 }
 
-// Scratch of one team for the weighted cumulation: bucket lists and the Dw x Dv tables.
-struct WeightedTables {
-  BucketLists lists;
-  std::vector<float> table;  // (used, Dw, Dv), grown on demand up to the budget
-
-  explicit WeightedTables(const CumulateParams& p) : lists(p.buckets, p.nk) {}
-};
-
-void weighted_cumulate_head(const CumulateParams& p, int64_t b, WeightedTables& ws, int team) {
-  const float* qw = p.q_w + b * p.nq * p.dw;
-  const float* kw = p.k_w + b * p.nk * p.dw;
-  const float* v = p.v + b * p.nk * p.dv;
-  float* out = p.out + b * p.nq * p.dv;
-  const int64_t cell = p.dw * p.dv;
-  constexpr int64_t kTableRows = 8;  // Dw rows of one bucket table per work item
-  const int64_t chunks = (p.dw + kTableRows - 1) / kTableRows;
-  const int64_t blocks = (p.nq + kRowBlock - 1) / kRowBlock;
-  BucketLists& lists = ws.lists;
-  bool use_table = false;
-#pragma omp parallel num_threads(team) if (team > 1)
-  for (int64_t h = 0; h < p.m; ++h) {
-    const int32_t* qc = p.q_codes + (b * p.m + h) * p.nq;
-    const int32_t* kc = p.k_codes + (b * p.m + h) * p.nk;
-    const float scale = h + 1 == p.m ? 1.f / float(p.m) : 1.f;
-#pragma omp single
-    {
-      lists.build(kc, p.nk);
-      // The cheaper exact scheme for this hash, from its bucket sizes: a Dw x Dv table per
-      // bucket costs (keys + queries) * Dw * Dv; walking each query's bucket costs
-      // (colliding pairs) * (Dw + Dv). The data decides, never the thread count, and both
-      // sum each output row in the same order whichever thread runs it.
-      int64_t pairs = 0;
-      for (int64_t i = 0; i < p.nq; ++i) {
-        const int32_t s = lists.slot(qc[i]);
-        if (s >= 0) pairs += lists.start[s + 1] - lists.start[s];
-      }
-      const int64_t table_cost = (lists.start[lists.used] + p.nq + lists.used) * cell;
-      const int64_t table_bytes = lists.used * cell * int64_t(sizeof(float));
-      use_table = table_cost < pairs * (p.dw + p.dv) && table_bytes <= kWeightedTableBudgetBytes;
-      if (use_table && int64_t(ws.table.size()) < lists.used * cell) ws.table.resize(lists.used * cell);
-    }
-    if (use_table) {
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t item = 0; item < lists.used * chunks; ++item) {
-        const int64_t s = item / chunks, a0 = (item % chunks) * kTableRows;
-        fill_weighted_table(p, lists, kw, v, s, a0, std::min(p.dw, a0 + kTableRows), ws.table.data() + s * cell);
-      }
-    }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t blk = 0; blk < blocks; ++blk)
-      gather_weighted_rows(p, lists, qc, qw, kw, v, use_table ? ws.table.data() : nullptr, out, blk * kRowBlock,
-                           std::min(p.nq, (blk + 1) * kRowBlock), scale);
-#pragma omp single
-    clear_slots(kc, p.nk, lists.slot_of.data());
-  }
-}
-
-// With at least as many (batch*head) slices as threads, each thread takes whole slices and runs
-// them alone (no barriers, which cost most when the CPU is shared); otherwise all threads work
-// on one slice at a time. Both orders give every output row the same arithmetic.
-template <typename Scratch, typename Head>
-void over_heads(const CumulateParams& p, int nthreads, Head head) {
-  if (p.bh >= nthreads) {
-#pragma omp parallel num_threads(nthreads)
-    {
-      Scratch ws(p);
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t b = 0; b < p.bh; ++b) head(p, b, ws, 1);
-    }
-  } else {
-    Scratch ws(p);
-    for (int64_t b = 0; b < p.bh; ++b) head(p, b, ws, nthreads);
-  }
-}
-
 }  // namespace
 
 void lsh_cumulate(const CumulateParams& p, int nthreads) {
   const int64_t ops = p.bh * p.m * (p.nq + p.nk) * p.dv;
   over_heads<ValueTables>(p, threads_for(ops, nthreads), cumulate_head);
-}
-
-void lsh_weighted_cumulate(const CumulateParams& p, int nthreads) {
-  const int64_t ops = p.bh * p.m * (p.nq + p.nk) * (p.dw + p.dv);
-  over_heads<WeightedTables>(p, threads_for(ops, nthreads), weighted_cumulate_head);
 }
 
 // Scratch of the fused op for one team: one head's codes and bucket tables (and its values widened from bf16).

@@ -1,5 +1,5 @@
 // Block primitives of the YOSO CPU kernels (yoso_cpu_simd.cpp): a small GEMM, sign-bit packing
-// and the collision probability with its slopes. Each call does a whole block (thousands of
+// and the collision probability with its slopes; int8 hashing (yoso_cpu_simd_i8.cpp). Each call does a whole block (thousands of
 // multiply-adds), so the one indirect call per block costs nothing; the bodies are AVX2+FMA
 // when the CPU has it (checked once) and portable loops otherwise.
 #pragma once
@@ -68,5 +68,8 @@ inline void widen_bf16(const uint16_t* x, int64_t count, float* to) {
 
 // Which bodies run: "avx2" or "portable" (YOSO_CPU_PORTABLE=1 in the environment forces the latter).
 const char* level();
+
+// Whether the environment sets name to exactly "1" (the YOSO_CPU_* switches the tests use to pick bodies).
+bool env_flag(const char* name);
 
 }  // namespace yoso::simd

@@ -136,17 +136,24 @@ def check_binding_with_cuda(binding: Path, tmp_path: Path) -> None:
     assert result.returncode == 0, f"{binding.name} with -DWITH_CUDA failed:\n{result.stderr[-4000:]}"
 
 
-def test_binding_compiles_with_cuda(tmp_path):
-    """yoso_cpu.cpp as the JIT build on a GPU machine compiles it (CUDAExtension, -DWITH_CUDA)."""
-    check_binding_with_cuda(CSRC / "yoso_cpu.cpp", tmp_path)
+@pytest.mark.parametrize("source", ["yoso_cpu.cpp", "yoso_cuda_ops.cpp"])
+def test_binding_compiles_with_cuda(tmp_path, source):
+    """The binding and its CUDA half as the JIT build on a GPU machine compiles them (CUDAExtension, -DWITH_CUDA)."""
+    check_binding_with_cuda(CSRC / source, tmp_path)
 
 
 def test_binding_dispatches_to_every_launcher():
-    """Each launcher of yoso_cuda.h is reachable from Python through the one binding."""
+    """Each launcher of yoso_cuda.h is reachable from Python through the one module: yoso_cuda_ops.cpp calls and
+    exports them, yoso_cpu.cpp registers them and hands CUDA tensors of its own ops to them."""
+    cuda_ops = (CSRC / "yoso_cuda_ops.cpp").read_text()
     binding = (CSRC / "yoso_cpu.cpp").read_text()
-    assert "#ifdef WITH_CUDA" in binding
-    for name in ("yoso_lsh_cumulate", "yoso_lsh_weighted_cumulate", "yoso_hash_pack", "yoso_hash_rotate"):
-        assert f"{name}(" in binding, f"the binding never calls {name} (see docs/cuda.md, 'Binding')"
-    for name in ("lsh_cumulate_cuda", "lsh_weighted_cumulate_cuda", "hash_pack_cuda", "hash_rotate_cuda"):
-        assert f'm.def("{name}"' in binding, f"the binding does not export {name}"
+    assert "#ifdef WITH_CUDA" in cuda_ops and "register_cuda_ops(m);" in binding
+    for name in ("yoso_lsh_cumulate", "yoso_lsh_weighted_cumulate", "yoso_hash_pack", "yoso_hash_rotate",
+                 "yoso_hash_int8"):
+        assert f"{name}(" in cuda_ops, f"the binding never calls {name} (see docs/cuda.md, 'Binding')"
+    for name in ("lsh_cumulate_cuda", "lsh_weighted_cumulate_cuda", "hash_pack_cuda", "hash_rotate_cuda",
+                 "hash_int8_cuda"):
+        assert f'm.def("{name}"' in cuda_ops, f"the binding does not export {name}"
+    for name in ("lsh_cumulate_cuda", "lsh_weighted_cumulate_cuda", "fast_hash_codes_cuda"):
+        assert f"return {name}(" in binding, f"yoso_cpu.cpp never hands CUDA tensors to {name}"
 
