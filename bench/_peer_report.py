@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from _peer_servers import PEER_MAX
+from _peer_servers import PEER_MAX, PEERS
 
 SHORT_TOKENS, WINDOW_TOKENS, PIECE_TOKENS = 128, 240, 128
 
@@ -64,14 +64,19 @@ def ratio_text(values: list[float]) -> str:
     return f"**{statistics.median(values):.2f}×** ({', '.join(f'{r:.2f}' for r in values)})"
 
 
-def tables(runs: list[dict], peers: list, concurrency: list[int]) -> str:
-    """The rates table (best configuration in bold, yoso-serve over it per run) and the latencies."""
+def tables(runs: list[dict], peers: list, concurrency: list[int], excluded: dict | None = None) -> str:
+    """The rates table (best configuration in bold, yoso-serve over it per run) and the latencies. ``excluded``
+    (config → its mean cosine to fp32) are shown but never the best: they do not keep their vectors."""
+    excluded = excluded or {}
     head = "".join(f" {p.label} |" for p in peers)
-    lines = [f"Medians of {len(runs)} run(s); yoso-serve over the best infinity configuration of each row "
+    kept = "" if not excluded else (
+        f" that keeps its vectors (mean cosine to fp32 ≥ {AGREEMENT_BAR}, the bar yoso-serve's own int8 must pass to "
+        "be a default; shown, not compared: " + ", ".join(f"{p.label} at {c:.3f}" for p, c in excluded.items()) + ")")
+    lines = [f"Medians of {len(runs)} run(s); yoso-serve over the best infinity configuration of each row{kept} "
              "(per run in brackets):", "",
              f"| measure | yoso-serve |{head} yoso-serve / best |", "|---|---:|" + "---:|" * len(peers) + "---|"]
     for m in measures(concurrency):
-        best = best_peer(runs, peers, m.peer)
+        best = best_peer(runs, [p for p in peers if p not in excluded], m.peer)
         spec = ".1f" if m.unit == "req/s" else ".2f"
         cells = [fmt(median(runs, p.key, m.peer), spec) for p in peers]
         cells = [f"**{c}**" if p is best else c for c, p in zip(cells, peers)]
@@ -97,9 +102,51 @@ def tables(runs: list[dict], peers: list, concurrency: list[int]) -> str:
     return "\n".join(lines)
 
 
+def cosines(a: list, b: list) -> np.ndarray:
+    """Row-wise cosine of two lists of vectors (in float64)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+# A configuration whose probe vectors' mean cosine to its own fp32 falls below this is shown, not compared:
+# issue 77's bar for making yoso-serve's int8 a default.
+AGREEMENT_BAR = 0.995
+
+
+def excluded_peers(vectors: dict, peers: list) -> dict:
+    """The configurations (→ mean cosine) whose probe vectors stray below AGREEMENT_BAR from infinity torch
+    fp32's; none where that reference is missing."""
+    ref = vectors.get(PEERS["torch-fp32"].key)
+    if ref is None:
+        return {}
+    means = {p: float(cosines(vectors[p.key], ref).mean()) for p in peers if p.key in vectors}
+    return {p: c for p, c in means.items() if c < AGREEMENT_BAR}
+
+
+def agreement_table(vectors: dict, peers: list, yoso_as: str) -> str:
+    """What each server's speed costs its vectors: the probe texts' mean (min) cosine to the same model in fp32,
+    yoso-serve's against its dense layers in fp32 in the bench process, each infinity configuration's against
+    infinity torch fp32's server (absent where that one did not run)."""
+    rows = []
+    if "yoso" in vectors and "yoso fp32" in vectors:
+        rows.append((f"yoso-serve ({yoso_as})", "the same model, dense layers in fp32 (in the bench process)",
+                     cosines(vectors["yoso"], vectors["yoso fp32"])))
+    ref = vectors.get(PEERS["torch-fp32"].key)
+    for p in peers:
+        if ref is not None and p.key in vectors and p.key != PEERS["torch-fp32"].key:
+            rows.append((p.label, PEERS["torch-fp32"].label, cosines(vectors[p.key], ref)))
+    if not rows:
+        return ""
+    n = len(next(iter(vectors.values())))
+    return "\n".join([f"Cosine to fp32 over the first {n} short texts (each server's first run):", "",
+                      "| server | against | mean cosine | min |", "|---|---|---:|---:|",
+                      *(f"| {name} | {against} | {c.mean():.5f} | {c.min():.5f} |" for name, against, c in rows)])
+
+
 def plot(runs: list[dict], peers: list, concurrency: list[int], long_concurrency: int, path,
-         dense: str | None = None) -> None:
-    """``dense``: the dense dtype yoso-serve's /info reported (the legend says it)."""
+         dense: str | None = None, excluded: dict | None = None) -> None:
+    """``dense``: the dense dtype yoso-serve's /info reported (the legend says it); ``excluded`` as in
+    :func:`tables` (the legend gives their cosine to fp32)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,7 +155,9 @@ def plot(runs: list[dict], peers: list, concurrency: list[int], long_concurrency
     from _sections import save_figure
 
     yoso = "yoso-serve (defaults)" if dense is None else f"yoso-serve (dense {dense})"
-    servers = [("yoso", yoso)] + [(p.key, p.label) for p in peers]
+    excluded = excluded or {}
+    servers = [("yoso", yoso)] + [(p.key, p.label + (f" (cosine {excluded[p]:.3f} to fp32)" if p in excluded else ""))
+                                  for p in peers]
     fig, (ax_s, ax_l) = plt.subplots(1, 2, figsize=(14, 4.8))
     width = 0.8 / len(servers)
     for ax, groups in ((ax_s, [m for m in measures(concurrency) if m.unit == "req/s"]),

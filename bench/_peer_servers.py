@@ -62,6 +62,8 @@ PEERS = {c.name: c for c in (
     PeerConfig("torch-fp32", "infinity torch fp32", "torch", "float32"),
     PeerConfig("torch-bf16", "infinity torch bf16", "torch", "bfloat16"),
     PeerConfig("onnx", "infinity ONNX Runtime", "optimum", "auto"),
+    # fp32 weights, then torch's quantize_dynamic: int8 weights, activations quantized per GEMM (fbgemm)
+    PeerConfig("torch-int8", "infinity torch int8", "torch", "int8"),
 )}
 
 
@@ -238,9 +240,11 @@ def yoso_server(port: int) -> tuple[subprocess.Popen, str]:
 
 
 def loading_dtype(peer: PeerConfig) -> str:
-    """The torch dtype infinity's loading strategy gives the weights for ``peer``'s flags on a CPU."""
-    code = ("from infinity_emb.args import EngineArgs; print(EngineArgs(model_name_or_path='.', engine="
-            f"{peer.engine!r}, dtype={peer.dtype!r}, device='cpu')._loading_strategy.loading_dtype)")
+    """The torch dtype infinity's loading strategy gives the weights for ``peer``'s flags on a CPU, and the one
+    it quantizes them to after (``--dtype int8``: torch's ``quantize_dynamic``), if any."""
+    code = ("from infinity_emb.args import EngineArgs; s = EngineArgs(model_name_or_path='.', engine="
+            f"{peer.engine!r}, dtype={peer.dtype!r}, device='cpu')._loading_strategy; print(s.loading_dtype, "
+            "'' if s.quantization_dtype is None else f'then quantized to {s.quantization_dtype}')")
     done = subprocess.run([str(PEER_VENV / "bin" / "python"), "-c", code], capture_output=True, text=True,
                           env={**os.environ, **OFFLINE}, timeout=120)
     return done.stdout.strip() or f"unknown ({done.stderr.strip()[-200:]})"

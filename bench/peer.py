@@ -4,8 +4,9 @@ and how close the served tokens/s come to the dense layers' floor.
 
 One run starts each server alone on 127.0.0.1 (never two at once: they share the cores), drives it, stops
 it. yoso-serve serves the default model with its default settings (``hashes=auto``, ``--dense-dtype auto``);
-infinity-emb 0.0.78 (bench/_peer_servers.py) runs with its torch engine in fp32 (its default on CPU) and in
-bf16, and with its ONNX Runtime engine (``--peers`` picks among them; each is checked to run as named).
+infinity-emb 0.0.78 (bench/_peer_servers.py) runs with its torch engine in fp32 (its default on CPU), in
+bf16 and in int8 (``--dtype int8``: torch's dynamic quantization of the fp32 weights), and with its ONNX Runtime
+engine (``--peers`` picks among them; each is checked to run as named).
 
 * short texts, 128 tokens, one per request: req/s and p50/p95 latency at concurrency 1, 8, 32;
 * long documents, 1000–4000 tokens (mean about 2500), one per request: docs/s for yoso-serve in one
@@ -14,6 +15,9 @@ bf16, and with its ONNX Runtime engine (``--peers`` picks among them; each is ch
 * the same documents indexed piece by piece: yoso-serve's ``/embed_pieces`` (one pass, a vector per
   128-token piece and the document's own) against infinity embedding every 128-token window of a
   document (one request per document, each window a vector of its own);
+* what the speed costs the vectors: each server embeds the first 64 short texts once, in one request, and
+  each is compared with the same model in fp32 (yoso-serve's bundled model in the bench process, infinity's
+  torch fp32 server);
 * the floor: each batch shape yoso-serve served (its /metrics over each cell) is timed through the dense
   layers alone after the servers stop (bench/linear.py's ``dense_pass``), and the served tokens/s are
   reported as a share of what those GEMMs alone would allow.
@@ -43,8 +47,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.append(str(Path(__file__).resolve().parent))
-from _peer_report import (FLOOR_CELLS, PIECE_TOKENS, SHORT_TOKENS, WINDOW_TOKENS, batch_shape,  # noqa: E402
-                          floor_rows, floor_table, plot, plot_floor, tables)
+from _peer_report import (FLOOR_CELLS, PIECE_TOKENS, SHORT_TOKENS, WINDOW_TOKENS, agreement_table,  # noqa: E402
+                          batch_shape, excluded_peers, floor_rows, floor_table, plot, plot_floor, tables)
 from _peer_servers import (OUT, PEER_NAME, PEERS, ROOT, cell, infinity_server, parse_peers,  # noqa: E402
                            peer_model_dir, stop, yoso_server)
 from _sections import machine, write_section  # noqa: E402
@@ -56,6 +60,7 @@ SECTION = "## Served side by side with infinity-emb"
 FLOOR_SECTION = "## The dense-layer floor"
 SOURCES = Path("/usr/share/doc/python3.11/html/_sources")  # Debian's python3.11-doc; never man pages
 START_S = 60.0  # a server's start and its cells' warm-ups, in the bound printed at the start
+PROBE_TEXTS = 64  # short texts each server embeds once, in one request, for the cosine-to-fp32 table
 PEER_KEYS = {p.key: p for p in PEERS.values()}
 
 
@@ -157,13 +162,47 @@ async def measure(server: str, port: int, shorts, docs, windows, args) -> dict:
     return out
 
 
-def run_server(server: str, texts: tuple, args, peer_model: Path | None) -> tuple[dict, str]:
+def probe(port: int, yoso: bool, shorts: list[str]) -> list[list[float]]:
+    """The first PROBE_TEXTS short texts' vectors from one server, in one request."""
+    import httpx
+
+    texts, url = shorts[:PROBE_TEXTS], f"http://127.0.0.1:{port}"
+    if yoso:
+        return httpx.post(f"{url}/embed", json={"inputs": texts}, timeout=300).json()
+    data = httpx.post(f"{url}/embeddings", json={"model": PEER_NAME, "input": texts}, timeout=300).json()["data"]
+    return [d["embedding"] for d in sorted(data, key=lambda d: d["index"])]
+
+
+def yoso_fp32_vectors(shorts: list[str]) -> list[list[float]]:
+    """The probe texts through the bundled model in this process with its dense layers in fp32, each alone at
+    the served default (exact below ``AUTO_EXACT_BELOW`` tokens, else the model's hashes)."""
+    import torch
+
+    from yoso_serve.model import default_model_dir, encoder, load_pretrained
+    from yoso_serve.model.hashes import AUTO_EXACT_BELOW
+
+    model = load_pretrained(default_model_dir()).eval()
+    encoder.set_dense_dtype(model, "fp32")
+    out = []
+    with torch.inference_mode():
+        for ids in model.tokenizer.encode(shorts[:PROBE_TEXTS]):
+            x = torch.tensor([ids])
+            hashes = 0 if len(ids) < AUTO_EXACT_BELOW else None
+            out.append(model.embed(x, torch.ones_like(x), hashes=hashes)[0].tolist())
+    return out
+
+
+def run_server(server: str, texts: tuple, args, peer_model: Path | None,
+               vectors: dict | None = None) -> tuple[dict, str]:
     """One server started alone, measured, stopped: its cells, and how it ran (yoso-serve: its dense dtype;
-    infinity: its engine and dtype as /models gives them)."""
+    infinity: its engine and dtype as /models gives them). With ``vectors``, first the probe texts' vectors
+    into ``vectors[server]``."""
     port = free_port()
     proc, ran_as = yoso_server(port) if server == "yoso" else infinity_server(port, peer_model, PEER_KEYS[server])
     print(f"{server} ready: {ran_as}", file=sys.stderr)
     try:
+        if vectors is not None:
+            vectors[server] = probe(port, server == "yoso", texts[0])
         return asyncio.run(measure(server, port, *texts, args)), ran_as
     finally:
         stop(proc)
@@ -183,7 +222,7 @@ def measure_all(args, peers: list, command: str) -> dict:
     texts = cut(256, args.docs)
     peer_model = peer_model_dir(onnx=any(p.engine == "optimum" for p in peers)) if peers else None
     load_before, runs, ran_as, started = os.getloadavg(), [], {}, time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-    failed = {}
+    failed, vectors = {}, {}
     for run in range(args.runs):
         order = ["yoso"] + [p.key for p in peers]
         if run % 2:
@@ -191,13 +230,15 @@ def measure_all(args, peers: list, command: str) -> dict:
         runs.append({})
         for server in order:
             try:
-                runs[-1][server], ran_as[server] = run_server(server, texts, args, peer_model)
+                runs[-1][server], ran_as[server] = run_server(server, texts, args, peer_model,
+                                                              None if server in vectors else vectors)
             except RuntimeError as exc:  # one configuration that will not start leaves the others' figures
                 if server == "yoso":
                     raise
                 failed[server] = str(exc)
                 print(f"{server} not measured: {exc}", file=sys.stderr)
     load_after = os.getloadavg()
+    vectors["yoso fp32"] = yoso_fp32_vectors(texts[0])
     dense = {}
     if args.floor:
         from linear import dense_seconds
@@ -210,6 +251,7 @@ def measure_all(args, peers: list, command: str) -> dict:
         dense = {f"{a}x{b}": t for (a, b), t in times.items()}
     saved = {"args": {k: v for k, v in vars(args).items() if k != "from_json"}, "command": command, "runs": runs,
              "ran_as": ran_as, "failed": failed, "load": [load_before, load_after], "dense_s": dense,
+             "vectors": vectors,
              "machine": machine(),
              "date": f"{started}–{time.strftime('%H:%M', time.gmtime())} UTC"}
     (OUT / "peer.json").write_text(json.dumps(saved, indent=1))
@@ -248,11 +290,15 @@ def main() -> None:
         saved = measure_all(args, peers, "make bench-peer ARGS=\"" + " ".join(sys.argv[1:]) + "\"")
     runs, command = saved["runs"], saved["command"]
     dense = {tuple(int(n) for n in k.split("x")): t for k, t in saved["dense_s"].items()}
-    md = tables(runs, peers, args.concurrency)
+    vectors = saved.get("vectors", {})
+    excluded = excluded_peers(vectors, peers)
+    md = tables(runs, peers, args.concurrency, excluded)
+    agreement = agreement_table(vectors, peers, saved["ran_as"]["yoso"])
+    md += f"\n\n{agreement}" if agreement else ""
     floor_md = floor_table(floor_rows(runs, dense), runs) if dense else ""
     print(f"machine: {saved['machine']}; {saved['date']}; command: {command}\nran as: {saved['ran_as']}\n\n{md}"
           f"\n\n{floor_md}")
-    plot(runs, peers, args.concurrency, args.long_concurrency, PLOT, saved["ran_as"].get("yoso"))
+    plot(runs, peers, args.concurrency, args.long_concurrency, PLOT, saved["ran_as"].get("yoso"), excluded)
     if dense:
         plot_floor(floor_rows(runs, dense), FLOOR_PLOT)
     if args.write_docs and peers and not saved["failed"]:

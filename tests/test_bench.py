@@ -45,10 +45,10 @@ def test_peer_configurations_parse_in_order_once_and_refuse_unknown_names():
     import pytest
     from _peer_servers import PEERS, parse_peers
 
-    assert [p.name for p in parse_peers("all")] == list(PEERS) == ["torch-fp32", "torch-bf16", "onnx"]
+    assert [p.name for p in parse_peers("all")] == list(PEERS) == ["torch-fp32", "torch-bf16", "onnx", "torch-int8"]
     assert [p.name for p in parse_peers("onnx, torch-fp32,onnx")] == ["onnx", "torch-fp32"]
     assert {(p.engine, p.dtype) for p in PEERS.values()} == {("torch", "float32"), ("torch", "bfloat16"),
-                                                              ("optimum", "auto")}
+                                                              ("optimum", "auto"), ("torch", "int8")}
     for bad in ("", "torch-fp16", "onnx,int8"):
         with pytest.raises(ValueError, match="--peers"):
             parse_peers(bad)
@@ -110,7 +110,50 @@ def test_the_peer_bench_prints_the_bound_of_its_run_time():
     from _peer_servers import PEERS
 
     args = argparse.Namespace(runs=3, concurrency=[1, 8, 32], short_seconds=15.0, long_seconds=45.0, truncated=False)
-    # per run: yoso-serve 60 + 45 + 90 s, each of three configurations the same (two long cells)
-    assert peer.estimate_s(args, list(PEERS.values())) == 3 * 4 * 195
+    # per run: yoso-serve 60 + 45 + 90 s, each of four configurations the same (two long cells)
+    assert peer.estimate_s(args, list(PEERS.values())) == 3 * 5 * 195
     args.truncated = True  # a third long cell for each configuration
-    assert peer.estimate_s(args, list(PEERS.values())) == 3 * (195 + 3 * 240)
+    assert peer.estimate_s(args, list(PEERS.values())) == 3 * (195 + 4 * 240)
+
+
+def test_the_agreement_table_sets_each_server_against_its_own_fp32():
+    from _peer_report import agreement_table
+    from _peer_servers import PEERS
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((4, 8))
+    tilted = ref.copy()
+    tilted[0, 0] += 1.0  # one vector moved: the min falls below the mean
+    vectors = {"yoso": ref.tolist(), "yoso fp32": (2 * ref).tolist(),  # a scale is not a disagreement
+               PEERS["torch-fp32"].key: ref.tolist(), PEERS["torch-int8"].key: tilted.tolist()}
+    md = agreement_table(vectors, list(PEERS.values()), "bf16")
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in md.splitlines() if line.startswith("| ")}
+    assert "first 4 short texts" in md
+    assert rows["yoso-serve (bf16)"][2:4] == ["1.00000", "1.00000 |"]
+    int8 = rows["infinity torch int8"]
+    assert int8[1] == "infinity torch fp32" and float(int8[3].rstrip(" |")) < float(int8[2]) < 1.0
+    assert "infinity torch fp32" not in rows and "infinity torch bf16" not in rows  # itself; not in the run
+    assert agreement_table({PEERS["torch-int8"].key: ref.tolist()}, list(PEERS.values()), "bf16") == ""
+
+
+def test_a_configuration_that_does_not_keep_its_vectors_is_shown_but_never_the_best():
+    import numpy as np
+    from _peer_report import excluded_peers, tables
+    from _peer_servers import PEERS
+
+    fp32, bf16, int8 = PEERS["torch-fp32"], PEERS["torch-bf16"], PEERS["torch-int8"]
+    ref = np.random.default_rng(1).standard_normal((16, 8))
+    noisy = ref + 0.3 * np.random.default_rng(2).standard_normal(ref.shape)  # far below 0.995
+    vectors = {fp32.key: ref.tolist(), bf16.key: (ref * 1.001).tolist(), int8.key: noisy.tolist()}
+    excluded = excluded_peers(vectors, [fp32, bf16, int8])
+    assert list(excluded) == [int8] and excluded[int8] < 0.995
+    assert excluded_peers({int8.key: noisy.tolist()}, [int8]) == {}  # no fp32 reference: nothing to judge by
+    runs = [{"yoso": {"short c=1": _cell(30.0)}, fp32.key: {"short c=1": _cell(10.0)},
+             bf16.key: {"short c=1": _cell(15.0)}, int8.key: {"short c=1": _cell(40.0)}}]
+    md = tables(runs, [fp32, bf16, int8], [1], excluded)
+    short = next(line for line in md.splitlines() if line.startswith("| short, concurrency 1"))
+    assert short == "| short, concurrency 1 (req/s) | 30.0 | 10.0 | **15.0** | 40.0 | **2.00×** (2.00) |"
+    assert f"infinity torch int8 at {excluded[int8]:.3f}" in md and "0.995" in md
+    assert "**0.75×**" in tables(runs, [fp32, bf16, int8], [1])  # compared when nothing is excluded
