@@ -50,6 +50,10 @@ class PeerConfig:
     label: str
     engine: str
     dtype: str
+    # infinity's --pooling-method: its torch engine reads the model's own (mean for all-MiniLM-L6-v2) under "auto",
+    # its ONNX engine pools the first token under "auto" (vectors at cosine 0.43 to the torch engine's), so it
+    # is told the model's pooling
+    pooling: str = "auto"
 
     @property
     def key(self) -> str:
@@ -61,7 +65,7 @@ class PeerConfig:
 PEERS = {c.name: c for c in (
     PeerConfig("torch-fp32", "infinity torch fp32", "torch", "float32"),
     PeerConfig("torch-bf16", "infinity torch bf16", "torch", "bfloat16"),
-    PeerConfig("onnx", "infinity ONNX Runtime", "optimum", "auto"),
+    PeerConfig("onnx", "infinity ONNX Runtime", "optimum", "auto", pooling="mean"),
     # fp32 weights, then torch's quantize_dynamic: int8 weights, activations quantized per GEMM (fbgemm)
     PeerConfig("torch-int8", "infinity torch int8", "torch", "int8"),
 )}
@@ -261,7 +265,8 @@ def infinity_server(port: int, model: Path, peer: PeerConfig) -> tuple[subproces
     name, onnx = f"infinity-{peer.name}", peer.engine == "optimum"
     proc = start(name, [str(exe), "v2", "--model-id", "." if onnx else str(model), "--served-model-name", PEER_NAME,
                         "--engine", peer.engine, "--device", "cpu", "--no-bettertransformer", "--host", "127.0.0.1",
-                        "--port", str(port), "--log-level", "warning", "--dtype", peer.dtype], port, "/health", OFFLINE,
+                        "--port", str(port), "--log-level", "warning", "--dtype", peer.dtype, "--pooling-method",
+                        peer.pooling], port, "/health", OFFLINE,
                  cwd=model if onnx else None)
     backend = httpx.get(f"http://127.0.0.1:{port}/models", timeout=10).json()["data"][0]["backend"]
     if backend != peer.engine:
@@ -272,4 +277,5 @@ def infinity_server(port: int, model: Path, peer: PeerConfig) -> tuple[subproces
         return proc, f"{ran_as}, loads {loading_dtype(peer)}"
     # infinity warns where its own optimizer fails, and serves the file as it is (fused at export here)
     own = "failed" if "Optimization failed" in (OUT / f"peer-{name}.log").read_text(errors="replace") else "ran"
-    return proc, f"{ran_as}, model.onnx fused by ONNX Runtime's BERT optimizer (level 99); infinity's own: {own}"
+    return proc, (f"{ran_as}, model.onnx fused by ONNX Runtime's BERT optimizer (level 99); infinity's own: {own}; "
+                  f"--pooling-method {peer.pooling}")

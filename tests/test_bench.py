@@ -49,6 +49,8 @@ def test_peer_configurations_parse_in_order_once_and_refuse_unknown_names():
     assert [p.name for p in parse_peers("onnx, torch-fp32,onnx")] == ["onnx", "torch-fp32"]
     assert {(p.engine, p.dtype) for p in PEERS.values()} == {("torch", "float32"), ("torch", "bfloat16"),
                                                               ("optimum", "auto"), ("torch", "int8")}
+    # infinity's ONNX engine pools the first token unless told: all-MiniLM-L6-v2's vectors are mean-pooled
+    assert PEERS["onnx"].pooling == "mean" and {p.pooling for p in PEERS.values() if p.engine == "torch"} == {"auto"}
     for bad in ("", "torch-fp16", "onnx,int8"):
         with pytest.raises(ValueError, match="--peers"):
             parse_peers(bad)
