@@ -12,10 +12,21 @@ row and exact int32 sums, a row's bits never depend on the row count or on how t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 MIN_ABS_MAX = 1e-12
+
+
+class Int8Rows(NamedTuple):
+    """An int8 layer's input already quantized per row (:func:`int8_linear_rows`): q (R, K) int8 and scale (R, 1)
+    fp32 as :func:`int8_rows` gives them, for an input of ``shape`` (..., K)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    shape: tuple[int, ...]
 
 
 def _check(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor) -> None:
@@ -35,6 +46,17 @@ def int8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(rows / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
+def _scaled_back(acc: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                 start: torch.Tensor | None, gelu: bool) -> torch.Tensor:
+    """int32 sums (R, out) → fp32: times the row and column scales, plus bias and start, then GELU if asked."""
+    out = acc.float().mul_(scale).mul_(weight_scale)
+    if bias is not None:
+        out.add_(bias)
+    if start is not None:
+        out.add_(start.reshape(out.shape))
+    return F.gelu(out) if gelu else out
+
+
 def int8_linear_ref(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                     *, smooth: torch.Tensor | None = None, start: torch.Tensor | None = None,
                     gelu: bool = False) -> torch.Tensor:
@@ -47,13 +69,7 @@ def int8_linear_ref(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch
     if smooth is not None:
         rows = rows / smooth
     q, scale = int8_rows(rows)
-    out = torch._int_mm(q, weight_q.t()).float().mul_(scale).mul_(weight_scale)  # (R, out)
-    if bias is not None:
-        out.add_(bias)
-    if start is not None:
-        out.add_(start.reshape(out.shape))
-    if gelu:
-        out = F.gelu(out)
+    out = _scaled_back(torch._int_mm(q, weight_q.t()), scale, weight_scale, bias, start, gelu)
     return out.view(*x.shape[:-1], weight_q.shape[0])
 
 
@@ -62,25 +78,59 @@ def _fast(x: torch.Tensor, start: torch.Tensor | None) -> bool:
             and (start is None or (start.dtype == torch.float32 and start.device.type == "cpu")))
 
 
-def int8_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                *, smooth: torch.Tensor | None = None, start: torch.Tensor | None = None, gelu: bool = False,
-                backend: str = "auto") -> torch.Tensor:
+def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().float().contiguous()
+
+
+def _sums(ext, x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
+          smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C++ quantizing pass and the int8 GEMM: (int32 sums (R, out), row scales (R, 1))."""
+    _check(x, weight_q, weight_scale)
+    q, scale = ext.quantize_rows(x.reshape(-1, x.shape[-1]).contiguous(), _vector(smooth))
+    return torch._int_mm(q, weight_q.t()), scale
+
+
+def _extension(x: torch.Tensor, start: torch.Tensor | None, backend: str):
+    """The C++ extension where the passes around the GEMM run in it, else None."""
+    if backend == "torch" or not _fast(x, start):
+        return None
+    from ._build import cpu_extension
+
+    return cpu_extension()
+
+
+def int8_linear(x: torch.Tensor | Int8Rows, weight_q: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None, *, smooth: torch.Tensor | None = None, start: torch.Tensor | None = None,
+                gelu: bool = False, backend: str = "auto") -> torch.Tensor:
     """:func:`int8_linear_ref`'s result, bit for bit without ``gelu``; the passes around the GEMM in C++ on CPU (fp32
     ``x``, the extension built, ``backend`` not "torch"). ``gelu`` there is fused into the last pass, within about
     1e-7 · |x| of aten's (erf from Abramowitz and Stegun 7.1.26, exp by a polynomial): the same bits on every run
-    and at any row count, not aten's bits."""
-    if backend != "torch" and _fast(x, start):
-        from ._build import cpu_extension
+    and at any row count, not aten's bits. ``x`` may come quantized (:class:`Int8Rows`; no smoothing then)."""
+    if isinstance(x, Int8Rows):
+        if smooth is not None:
+            raise ValueError("an Int8Rows input is quantized already: it takes no smoothing vector")
+        _check(x.q, weight_q, weight_scale)
+        acc, scale = torch._int_mm(x.q, weight_q.t()), x.scale
+        ext = _extension(x.scale, start, backend)
+    else:
+        ext = _extension(x, start, backend)
+        if ext is None:
+            return int8_linear_ref(x, weight_q, weight_scale, _vector(bias), smooth=smooth, start=start, gelu=gelu)
+        acc, scale = _sums(ext, x, weight_q, weight_scale, smooth)
+    start = None if start is None else start.reshape(acc.shape).contiguous()
+    out = (_scaled_back(acc, scale, weight_scale, _vector(bias), start, gelu) if ext is None
+           else ext.dequantize_rows(acc, scale, _vector(weight_scale), _vector(bias), start, gelu))
+    return out.view(*x.shape[:-1], weight_q.shape[0])
 
-        ext = cpu_extension()
-        if ext is not None:
-            _check(x, weight_q, weight_scale)
-            rows = x.reshape(-1, x.shape[-1]).contiguous()
-            q, scale = ext.quantize_rows(rows, None if smooth is None else smooth.float().contiguous())
-            acc = torch._int_mm(q, weight_q.t())
-            out = ext.dequantize_rows(acc, scale, weight_scale.float().contiguous(),
-                                      None if bias is None else bias.detach().float().contiguous(),
-                                      None if start is None else start.reshape(acc.shape).contiguous(), gelu)
-            return out.view(*x.shape[:-1], weight_q.shape[0])
-    return int8_linear_ref(x, weight_q, weight_scale, None if bias is None else bias.detach(), smooth=smooth,
-                           start=start, gelu=gelu)
+
+def int8_linear_rows(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                     *, smooth: torch.Tensor | None = None, gelu: bool = False) -> Int8Rows | None:
+    """:func:`int8_linear`'s output quantized per row for the next int8 layer in the pass that scales the sums back
+    (C++ ``requantize_rows``): the bits of ``int8_rows`` of that output, without the fp32 (R, out) tensor between
+    (a pass written and a pass read). None where the C++ passes do not run."""
+    ext = _extension(x, None, "auto")
+    if ext is None:
+        return None
+    acc, scale = _sums(ext, x, weight_q, weight_scale, smooth)
+    q, row_scale = ext.requantize_rows(acc, scale, _vector(weight_scale), _vector(bias), gelu)
+    return Int8Rows(q, row_scale, (*x.shape[:-1], weight_q.shape[0]))

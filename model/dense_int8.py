@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from yoso_serve.kernels import int8_linear, int8_rows
+from yoso_serve.kernels import int8_linear, int8_linear_rows, int8_rows
 
 SMOOTH_ALPHA = 0.5  # how much of a channel's range moves into the weights (SmoothQuant's α)
 CALIBRATION = (16, 64, 0)  # texts, tokens each, seed of the random tokens the ranges are read from
@@ -129,3 +129,18 @@ def project(linears: list[nn.Linear], x: torch.Tensor, *, bf16_out: bool = False
     weight_q, weight_scale, bias, _ = first._int8_fused
     out = int8_linear(x.float(), weight_q, weight_scale, bias, smooth=first.int8_smooth)
     return list(out.split([lin.out_features for lin in linears], dim=-1))
+
+
+def int8_feed_forward(intermediate: nn.Module, output: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """A block's feed-forward, ``output(intermediate(x), x)``, where both linears run in int8 at inference: the
+    GELU output is quantized for FFN out in the pass that scales FFN in's sums back, the bits of the two passes
+    without the (rows, intermediate) fp32 tensor between them. None where that does not apply (another dtype or
+    activation, FFN out smoothed, training, or the C++ passes not built): the caller runs the block as it is."""
+    inner, outer = intermediate.dense, output.dense
+    if not (inner.int8 and outer.int8 and outer.int8_smooth is None and intermediate.act_name == "gelu"
+            and not output.training and inner._fast(x) and x.dtype == torch.float32):
+        return None
+    rows = int8_linear_rows(x, *int8_weights(inner), inner.bias, smooth=inner.int8_smooth, gelu=True)
+    if rows is None:
+        return None
+    return output.LayerNorm(int8_linear(rows, *int8_weights(outer), outer.bias, start=x))

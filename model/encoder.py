@@ -30,7 +30,7 @@ from yoso_serve.kernels import sum_parts
 
 from .attention import build_attention
 from .config import EncoderConfig
-from .dense_int8 import int8_linear, int8_weights, project, smooth_int8
+from .dense_int8 import int8_feed_forward, int8_linear, int8_weights, project, smooth_int8
 from .hashes import resolve_hashes
 from .reversible import ReversibleBlock, reversible_stack
 
@@ -317,7 +317,8 @@ class YosoLayer(nn.Module):
         self.output = DenseResidual(config.intermediate_size, config)
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output(self.intermediate(x), x)
+        fused = int8_feed_forward(self.intermediate, self.output, x)  # in int8: GELU's output quantized as it comes
+        return self.output(self.intermediate(x), x) if fused is None else fused
 
     def chunked(self, fn, x: torch.Tensor) -> torch.Tensor:
         """fn over x (B, N, hidden), in sequence chunks when long (see EncoderConfig.ffn_chunk_size)."""

@@ -5,6 +5,8 @@
 //     y = x / smooth (per channel, if given); scale = max(max|y|, 1e-12) / 127; q = clamp(round(y / scale), +-127)
 //   dequantize_rows(acc (R, N) int32, scale (R, 1), col_scale (N), bias (N) or None, start (R, N) or None)
 //     -> (R, N) fp32 = float(acc) * scale * col_scale + bias + start, in that order; gelu=True: then GELU
+//   requantize_rows(acc, scale, col_scale, bias or None, gelu) -> [q, scale]: the two above in one pass (an int8
+//     layer's output straight into the next int8 layer's input)
 // and one after bf16 GEMMs (--dense-dtype bf16), whose outputs are bf16:
 //   sum_parts(parts [(R, N) bf16 or fp32, one dtype], start (R, N) fp32 or None)
 //     -> (R, N) fp32 = ((start + parts[0]) + parts[1]) + ..., each part widened to fp32 (no start: parts[0] + ...)
@@ -161,9 +163,9 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::opti
   return {q, scale};
 }
 
-torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& scale, const torch::Tensor& col_scale,
-                              const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& start,
-                              bool gelu) {
+// The int32 sums of a GEMM (R, N), their row scales (R, 1), column scales (N) and bias (N) checked; the bias or null.
+const float* check_sums(const torch::Tensor& acc, const torch::Tensor& scale, const torch::Tensor& col_scale,
+                        const c10::optional<torch::Tensor>& bias) {
   check_tensor(acc, "acc", at::kInt, 2);
   const int64_t rows = acc.size(0), n = acc.size(1);
   check_tensor(scale, "scale", at::kFloat, 2);
@@ -171,12 +173,17 @@ torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& sca
              scale.sizes());
   check_tensor(col_scale, "col_scale", at::kFloat, 1);
   YOSO_CHECK(col_scale.size(0) == n, "col_scale must be (N,) = (", n, ",), got ", col_scale.sizes());
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    check_tensor(*bias, "bias", at::kFloat, 1);
-    YOSO_CHECK(bias->size(0) == n, "bias must be (N,) = (", n, ",), got ", bias->sizes());
-    bp = bias->data_ptr<float>();
-  }
+  if (!bias.has_value()) return nullptr;
+  check_tensor(*bias, "bias", at::kFloat, 1);
+  YOSO_CHECK(bias->size(0) == n, "bias must be (N,) = (", n, ",), got ", bias->sizes());
+  return bias->data_ptr<float>();
+}
+
+torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& scale, const torch::Tensor& col_scale,
+                              const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& start,
+                              bool gelu) {
+  const float* bp = check_sums(acc, scale, col_scale, bias);
+  const int64_t rows = acc.size(0), n = acc.size(1);
   const float* stp = start_rows(start, rows, n);
   torch::Tensor out = torch::empty({rows, n}, scale.options());
   if (rows == 0 || n == 0) return out;
@@ -190,6 +197,35 @@ torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& sca
     });
   });
   return out;
+}
+
+// dequantize_rows (no start) and quantize_rows (no smooth) of its output in one pass: each row scaled back into a
+// buffer the thread reuses, then quantized from there by the same code, so the bits of the two calls, without the
+// (R, N) fp32 tensor between them. For a layer whose int8 output only feeds the next int8 layer (FFN in -> out).
+std::vector<torch::Tensor> requantize_rows(const torch::Tensor& acc, const torch::Tensor& scale,
+                                           const torch::Tensor& col_scale, const c10::optional<torch::Tensor>& bias,
+                                           bool gelu) {
+  const float* bp = check_sums(acc, scale, col_scale, bias);
+  const int64_t rows = acc.size(0), n = acc.size(1);
+  torch::Tensor q = torch::empty({rows, n}, acc.options().dtype(at::kChar));
+  torch::Tensor q_scale = torch::empty({rows, 1}, scale.options());
+  if (rows == 0) return {q, q_scale};
+  if (n == 0) return {q, q_scale.fill_(kMinAbsMax / 127.f)};  // quantize_rows' scale of an empty row
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* cp = col_scale.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* qsp = q_scale.data_ptr<float>();
+  run_without_gil([&] {
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(n);
+      for (int64_t r = r0; r < r1; ++r) {
+        dequantize_block(ap + r * n, sp + r, cp, bp, nullptr, buf.data(), 0, 1, n, gelu);
+        quantize_block(buf.data(), nullptr, qp + r * n, qsp + r, 0, 1, n, nullptr);
+      }
+    });
+  });
+  return {q, q_scale};
 }
 
 // Rows [r0, r1) of the sum; P is the parts' element type (uint16_t: bf16 bits, widened by a 16-bit shift).
@@ -279,6 +315,11 @@ void register_quant_ops(pybind11::module_& m) {
         "gelu=False) -> (R, N) fp32 = acc * scale * col_scale + bias + start, then GELU (erf form, ~1e-7 off aten's)",
         py::arg("acc"), py::arg("scale"), py::arg("col_scale"), py::arg("bias"), py::arg("start"),
         py::arg("gelu") = false);
+  m.def("requantize_rows", &requantize_rows,
+        "(acc (R, N) int32, scale (R, 1) fp32, col_scale (N,) fp32, bias (N,) or None, gelu=False) -> [q (R, N) int8, "
+        "scale (R, 1) fp32]: quantize_rows(dequantize_rows(acc, scale, col_scale, bias, None, gelu), None), the same "
+        "bits in one pass",
+        py::arg("acc"), py::arg("scale"), py::arg("col_scale"), py::arg("bias"), py::arg("gelu") = false);
   m.def("sum_parts", &sum_parts,
         "(parts [(R, N) bf16 or fp32, one dtype], start (R, N) fp32 or None) -> (R, N) fp32 = ((start + parts[0]) + "
         "parts[1]) + ... in that order, each part widened to fp32 (no start: parts[0] + parts[1] + ...)",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from yoso_serve.kernels import int8_linear, int8_linear_ref
+from yoso_serve.kernels import Int8Rows, int8_linear, int8_linear_ref, int8_linear_rows
 
 
 def weights(n, k, seed=0):
@@ -102,3 +102,48 @@ def test_fused_gelu_is_within_1e7_of_atens_and_keeps_a_rows_bits_at_any_row_coun
     for rows in (1, 3, 77):
         assert torch.equal(int8_linear(xs[:rows], w, w_scale, bias, gelu=True), full[:rows])
     torch.testing.assert_close(full, int8_linear_ref(xs, w, w_scale, bias, gelu=True), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_requantize_rows_gives_the_bits_of_scaling_back_then_quantizing(ext, gelu, with_bias):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(301, 384, generator=gen)
+    x[:, 11] *= 15
+    x[5] = 0  # a zero row keeps the smallest scale, as quantize_rows gives it
+    w, w_scale, bias = weights(1536, 384)
+    bias = bias if with_bias else None
+    q, scale = ext.quantize_rows(x, None)
+    acc = torch._int_mm(q, w.t())
+    q2, scale2 = ext.requantize_rows(acc, scale, w_scale, bias, gelu)
+    want_q, want_scale = ext.quantize_rows(ext.dequantize_rows(acc, scale, w_scale, bias, None, gelu), None)
+    assert q2.dtype == torch.int8 and q2.shape == (301, 1536) and scale2.shape == (301, 1)
+    assert torch.equal(q2, want_q) and torch.equal(scale2, want_scale)
+    for rows in (0, 1, 64):  # a row's bits at any row count; no rows at all
+        part_q, part_scale = ext.requantize_rows(acc[:rows].contiguous(), scale[:rows].contiguous(), w_scale, bias,
+                                                 gelu)
+        assert torch.equal(part_q, q2[:rows]) and torch.equal(part_scale, scale2[:rows])
+    empty_q, empty_scale = ext.requantize_rows(acc[:, :0].contiguous(), scale, w_scale[:0], None, gelu)
+    assert empty_q.shape == (301, 0) and torch.equal(empty_scale, ext.quantize_rows(x[:, :0].contiguous(), None)[1])
+    with pytest.raises(RuntimeError, match=r"scale must be \(R, 1\) = \(301, 1\)"):
+        ext.requantize_rows(acc, scale[:300].contiguous(), w_scale, bias, gelu)
+    with pytest.raises(RuntimeError, match=r"col_scale must be \(N,\) = \(1536,\)"):
+        ext.requantize_rows(acc, scale, w_scale[:9].contiguous(), bias, gelu)
+
+
+def test_a_layer_fed_int8_rows_gives_the_bits_of_the_two_layers_one_after_the_other(ext):
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 70, 384, generator=gen)
+    smooth = torch.exp2(torch.randint(-2, 3, (384,), generator=gen).float())
+    w1, s1, b1 = weights(1536, 384, seed=1)
+    w2, s2, b2 = weights(384, 1536, seed=2)
+    rows = int8_linear_rows(x, w1, s1, b1, smooth=smooth, gelu=True)
+    assert isinstance(rows, Int8Rows) and rows.shape == (2, 70, 1536)
+    fused = int8_linear(rows, w2, s2, b2, start=x)
+    apart = int8_linear(int8_linear(x, w1, s1, b1, smooth=smooth, gelu=True), w2, s2, b2, start=x)
+    assert fused.shape == (2, 70, 384) and torch.equal(fused, apart)
+    with pytest.raises(ValueError, match="takes no smoothing vector"):
+        int8_linear(rows, w2, s2, b2, smooth=torch.ones(1536))
+    with pytest.raises(ValueError, match="weight's in = 384"):
+        int8_linear(rows, w1, s1, b1)
+    assert int8_linear_rows(x.double(), w1, s1, b1) is None  # no C++ pass for it: the caller goes the long way

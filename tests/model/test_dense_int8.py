@@ -167,3 +167,29 @@ def test_bf16_q_k_v_reach_the_yoso_core_as_they_are_and_give_the_bits_of_their_f
         model.embed(ids, mask, hashes=0)
     assert all(torch.equal(direct[h], copies[h]) for h in (0, 8))
     assert seen[2] == torch.float32 and seen.count(torch.bfloat16) == len(seen) - 1
+
+
+def test_int8_feed_forward_quantizes_the_gelu_output_as_it_comes_and_keeps_the_model_bits(monkeypatch):
+    from yoso_serve.kernels import cpu_kernels_built
+
+    if not cpu_kernels_built():
+        pytest.skip("needs the C++ extension")
+    model = load_pretrained(default_model_dir())
+    encoder.set_dense_dtype(model, "int8")
+    ids = torch.randint(1000, 20000, (3, 90), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, 60:] = 0  # padding
+    calls = []
+    real = dense_int8.int8_linear_rows
+    monkeypatch.setattr(dense_int8, "int8_linear_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.inference_mode():
+        fused = [model.embed(ids, mask, hashes=h) for h in (0, 8)]
+    assert len(calls) == 2 * len(model.encoder.encoder.layer)  # every block's FFN, exact and hashed
+    monkeypatch.setattr(dense_int8, "int8_linear_rows", lambda *a, **k: None)  # each layer on its own
+    with torch.inference_mode():
+        apart = [model.embed(ids, mask, hashes=h) for h in (0, 8)]
+    assert all(torch.equal(f, a) for f, a in zip(fused, apart))
+    layer = model.encoder.encoder.layer[0]
+    x = torch.randn(1, 5, layer.output.dense.out_features)
+    layer.output.dense.int8 = False  # FFN out in fp32: not this path
+    assert dense_int8.int8_feed_forward(layer.intermediate, layer.output, x) is None
