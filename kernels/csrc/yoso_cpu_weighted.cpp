@@ -14,10 +14,7 @@
 namespace yoso {
 namespace {
 
-using kern::clear_slots;
 using kern::kRowBlock;
-using kern::over_heads;
-using kern::threads_for;
 
 // The weighted table (Dw x Dv per bucket) is used only while it stays under this size; past
 // it (large tau, long sequences) the per-bucket key lists are walked directly.
@@ -153,7 +150,7 @@ void weighted_cumulate_head(const CumulateParams& p, int64_t b, WeightedTables& 
       gather_weighted_rows(p, lists, qc, qw, kw, v, use_table ? ws.table.data() : nullptr, out, blk * kRowBlock,
                            std::min(p.nq, (blk + 1) * kRowBlock), scale);
 #pragma omp single
-    clear_slots(kc, p.nk, lists.slot_of.data());
+    kern::clear_slots(kc, p.nk, lists.slot_of.data());
   }
 }
 
@@ -161,7 +158,7 @@ void weighted_cumulate_head(const CumulateParams& p, int64_t b, WeightedTables& 
 
 void lsh_weighted_cumulate(const CumulateParams& p, int nthreads) {
   const int64_t ops = p.bh * p.m * (p.nq + p.nk) * (p.dw + p.dv);
-  over_heads<WeightedTables>(p, threads_for(ops, nthreads), weighted_cumulate_head);
+  kern::over_heads<WeightedTables>(p, kern::threads_for(ops, nthreads), weighted_cumulate_head);
 }
 
 }  // namespace yoso

@@ -127,15 +127,20 @@ torch::Tensor hash_pack_cuda(const torch::Tensor& proj, int64_t num_hashes, int6
   return codes;
 }
 
-torch::Tensor hash_rotate_cuda(const torch::Tensor& x, const torch::Tensor& signs, int64_t hash_bits) {
-  const c10::cuda::CUDAGuard guard(x.device());
+// x (BH, N, D) and the hash's second input, both fp32 CUDA tensors on x's device, and hash_bits in range.
+void check_hash_inputs(const torch::Tensor& x, const torch::Tensor& other, const char* name, int64_t rank,
+                       int64_t hash_bits) {
   check_cuda_tensor(x, "x", 3, x);
-  check_cuda_tensor(signs, "signs", 4, x);
-  YOSO_CHECK(x.scalar_type() == at::kFloat && signs.scalar_type() == at::kFloat,
-             "x and signs must be float32, got ", c10::toString(x.scalar_type()), " and ",
-             c10::toString(signs.scalar_type()));
+  check_cuda_tensor(other, name, rank, x);
+  YOSO_CHECK(x.scalar_type() == at::kFloat && other.scalar_type() == at::kFloat, "x and ", name,
+             " must be float32, got ", c10::toString(x.scalar_type()), " and ", c10::toString(other.scalar_type()));
   YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
              hash_bits);
+}
+
+torch::Tensor hash_rotate_cuda(const torch::Tensor& x, const torch::Tensor& signs, int64_t hash_bits) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_hash_inputs(x, signs, "signs", 4, hash_bits);
   YOSO_CHECK(signs.size(2) == 3, "signs must be (H, m, 3, P), got ", signs.sizes());
   YOSO_CHECK(signs.size(0) >= 1 && x.size(0) % signs.size(0) == 0,
              "x rows (BH) must be a multiple of the heads H in signs (H, m, 3, P): ", x.sizes(), " vs ",
@@ -154,13 +159,7 @@ torch::Tensor hash_rotate_cuda(const torch::Tensor& x, const torch::Tensor& sign
 torch::Tensor hash_int8_cuda(const torch::Tensor& x, const torch::Tensor& planes, int64_t num_hashes,
                             int64_t hash_bits) {
   const c10::cuda::CUDAGuard guard(x.device());
-  check_cuda_tensor(x, "x", 3, x);
-  check_cuda_tensor(planes, "planes", 3, x);
-  YOSO_CHECK(x.scalar_type() == at::kFloat && planes.scalar_type() == at::kFloat,
-             "x and planes must be float32, got ", c10::toString(x.scalar_type()), " and ",
-             c10::toString(planes.scalar_type()));
-  YOSO_CHECK(hash_bits >= 1 && hash_bits <= kMaxHashBits, "hash_bits must be in 1..", kMaxHashBits, ", got ",
-             hash_bits);
+  check_hash_inputs(x, planes, "planes", 3, hash_bits);
   YOSO_CHECK(num_hashes >= 1, "num_hashes must be at least 1, got ", num_hashes);
   YOSO_CHECK(x.size(2) >= 1 && x.size(2) <= kYosoMaxInt8KernelDim, "the int8 hash kernel takes head dimensions D in 1..",
              kYosoMaxInt8KernelDim, ", got D = ", x.size(2));
