@@ -113,13 +113,20 @@ def cosines(a: list, b: list) -> np.ndarray:
 AGREEMENT_BAR = 0.995
 
 
+def peer_cosines(vectors: dict, peers: list) -> dict:
+    """Each configuration's probe cosines (→ array) to infinity torch fp32's, that reference itself and the
+    configurations without vectors left out; none where the reference is missing."""
+    fp32 = PEERS["torch-fp32"].key
+    ref = vectors.get(fp32)
+    if ref is None:
+        return {}
+    return {p: cosines(vectors[p.key], ref) for p in peers if p.key in vectors and p.key != fp32}
+
+
 def excluded_peers(vectors: dict, peers: list) -> dict:
     """The configurations (→ mean cosine) whose probe vectors stray below AGREEMENT_BAR from infinity torch
     fp32's; none where that reference is missing."""
-    ref = vectors.get(PEERS["torch-fp32"].key)
-    if ref is None:
-        return {}
-    means = {p: float(cosines(vectors[p.key], ref).mean()) for p in peers if p.key in vectors}
+    means = {p: float(c.mean()) for p, c in peer_cosines(vectors, peers).items()}
     return {p: c for p, c in means.items() if c < AGREEMENT_BAR}
 
 
@@ -131,10 +138,7 @@ def agreement_table(vectors: dict, peers: list, yoso_as: str) -> str:
     if "yoso" in vectors and "yoso fp32" in vectors:
         rows.append((f"yoso-serve ({yoso_as})", "the same model, dense layers in fp32 (in the bench process)",
                      cosines(vectors["yoso"], vectors["yoso fp32"])))
-    ref = vectors.get(PEERS["torch-fp32"].key)
-    for p in peers:
-        if ref is not None and p.key in vectors and p.key != PEERS["torch-fp32"].key:
-            rows.append((p.label, PEERS["torch-fp32"].label, cosines(vectors[p.key], ref)))
+    rows += [(p.label, PEERS["torch-fp32"].label, c) for p, c in peer_cosines(vectors, peers).items()]
     if not rows:
         return ""
     n = len(next(iter(vectors.values())))

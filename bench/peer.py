@@ -175,11 +175,11 @@ def probe(port: int, yoso: bool, shorts: list[str]) -> list[list[float]]:
 
 def yoso_fp32_vectors(shorts: list[str]) -> list[list[float]]:
     """The probe texts through the bundled model in this process with its dense layers in fp32, each alone at
-    the served default (exact below ``AUTO_EXACT_BELOW`` tokens, else the model's hashes)."""
+    the served default (``hashes=auto`` resolved for its length as the server resolves it)."""
     import torch
 
     from yoso_serve.model import default_model_dir, encoder, load_pretrained
-    from yoso_serve.model.hashes import AUTO_EXACT_BELOW
+    from yoso_serve.model.hashes import AUTO, AUTO_EXACT_BELOW, resolve_hashes
 
     model = load_pretrained(default_model_dir()).eval()
     encoder.set_dense_dtype(model, "fp32")
@@ -187,7 +187,7 @@ def yoso_fp32_vectors(shorts: list[str]) -> list[list[float]]:
     with torch.inference_mode():
         for ids in model.tokenizer.encode(shorts[:PROBE_TEXTS]):
             x = torch.tensor([ids])
-            hashes = 0 if len(ids) < AUTO_EXACT_BELOW else None
+            hashes = resolve_hashes(model.config, AUTO, exact_below=AUTO_EXACT_BELOW, n_tokens=len(ids))
             out.append(model.embed(x, torch.ones_like(x), hashes=hashes)[0].tolist())
     return out
 

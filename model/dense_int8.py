@@ -138,7 +138,7 @@ def int8_feed_forward(intermediate: nn.Module, output: nn.Module, x: torch.Tenso
     activation, FFN out smoothed, training, or the C++ passes not built): the caller runs the block as it is."""
     inner, outer = intermediate.dense, output.dense
     if not (inner.int8 and outer.int8 and outer.int8_smooth is None and intermediate.act_name == "gelu"
-            and not output.training and inner._fast(x) and x.dtype == torch.float32):
+            and not output.training and inner._fast(x)):
         return None
     rows = int8_linear_rows(x, *int8_weights(inner), inner.bias, smooth=inner.int8_smooth, gelu=True)
     if rows is None:

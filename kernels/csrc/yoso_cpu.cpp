@@ -1,5 +1,6 @@
-// The one pybind11 binding of the YOSO CPU extension: validation, then plain params structs
-// go to the OpenMP kernels in yoso_cpu_kernels.cpp.
+// The one pybind11 module of the YOSO CPU extension: validation, then plain params structs
+// go to the OpenMP kernels in yoso_cpu_kernels.cpp and yoso_cpu_weighted.cpp (the CUDA
+// extension adds yoso_cuda_ops.cpp's bindings).
 //
 //   lsh_cumulate(q_codes, k_codes, v, hash_bits)                     -> (BH, Nq, Dv) fp32
 //   lsh_weighted_cumulate(q_codes, k_codes, q_w, k_w, v, hash_bits)  -> (BH, Nq, Dv) fp32
