@@ -16,7 +16,7 @@ from statistics import median
 
 import torch
 
-from yoso_serve.model import encoder, load_pretrained
+from yoso_serve.model import linear, load_pretrained
 
 BUNDLED = Path(__file__).resolve().parent.parent / "model" / "bundled" / "yoso-minilm-l6-4096"
 MODES = {"fp32": ("fp32", None), "bf16, one GEMM": ("bf16", 1 << 30), "bf16, K-blocked (served)": ("bf16", None)}
@@ -25,10 +25,10 @@ MODES = {"fp32": ("fp32", None), "bf16, one GEMM": ("bf16", 1 << 30), "bf16, K-b
 def set_mode(model, dense: str, block: int | None, served_block: int) -> None:
     """Dense layers in ``dense``, bf16 GEMMs blocked at ``block`` (None: the served block), the weights' bf16
     copies remade for that blocking here, so that no timed forward pays for them."""
-    encoder.BF16_K_BLOCK = served_block if block is None else block
-    encoder.set_dense_dtype(model, dense)
+    linear.BF16_K_BLOCK = served_block if block is None else block
+    linear.set_dense_dtype(model, dense)
     for m in model.modules():
-        if isinstance(m, encoder.Linear):
+        if isinstance(m, linear.Linear):
             m.__dict__.pop("_bf16_key", None)
             if dense == "bf16":
                 m._operands(torch.empty(0, m.in_features))
@@ -43,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         raise SystemExit("this CPU has no oneDNN bf16 GEMM: nothing to compare")
-    served_block = encoder.BF16_K_BLOCK
+    served_block = linear.BF16_K_BLOCK
     model = load_pretrained(BUNDLED)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16 K-block {served_block}, "
           f"YOSO-{args.hashes}, {args.runs} runs x {args.repeats} interleaved repeats")

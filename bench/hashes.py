@@ -169,7 +169,7 @@ def main() -> int:
         p.error("--repeats must be >= 1 and --shapes BATCHxN with both >= 1")
 
     from yoso_serve.model import load_pretrained
-    from yoso_serve.model.encoder import native_bf16, set_dense_dtype
+    from yoso_serve.model.linear import native_bf16, set_dense_dtype
     from yoso_serve.model.train.longdoc import read_documents
 
     model = load_pretrained(args.model, device=torch.device("cpu"))

@@ -28,7 +28,7 @@ from _sections import alternated_medians, machine  # noqa: E402
 from peer import corpus  # noqa: E402
 
 from yoso_serve.kernels import int8_rows  # noqa: E402
-from yoso_serve.model import default_model_dir, encoder, load_pretrained  # noqa: E402
+from yoso_serve.model import default_model_dir, encoder, linear, load_pretrained  # noqa: E402
 from yoso_serve.model.dense_int8 import quantize_weight, smooth_int8  # noqa: E402
 from yoso_serve.model.hashes import AUTO_EXACT_BELOW  # noqa: E402
 
@@ -55,27 +55,27 @@ def embed(model, short, longs) -> tuple[torch.Tensor, torch.Tensor]:
     return F.normalize(s, dim=-1), F.normalize(torch.cat(lo), dim=-1) if lo else None
 
 
-def linears(model, kind: str) -> list[encoder.Linear]:
+def linears(model, kind: str) -> list[linear.Linear]:
     return [layer.get_submodule(KINDS[kind]) for layer in model.encoder.encoder.layer]
 
 
-def cosines(model, short, longs, ref, quantized: list[encoder.Linear]) -> tuple[float, float, float]:
+def cosines(model, short, longs, ref, quantized: list[linear.Linear]) -> tuple[float, float, float]:
     """(mean short, min short, mean long: nan without ``longs``) cosine to ``ref`` with only ``quantized`` in int8."""
-    encoder.set_dense_dtype(model, "fp32")
+    linear.set_dense_dtype(model, "fp32")
     for m in quantized:
         m.int8 = True
     s, lo = embed(model, short, longs)
-    encoder.set_dense_dtype(model, "fp32")
+    linear.set_dense_dtype(model, "fp32")
     cs = (s * ref[0]).sum(-1)
     return cs.mean().item(), cs.min().item(), (lo * ref[1]).sum(-1).mean().item() if longs else float("nan")
 
 
-def captured_inputs(model, short) -> dict[encoder.Linear, torch.Tensor]:
+def captured_inputs(model, short) -> dict[linear.Linear, torch.Tensor]:
     """Every Linear's fp32 input on the short texts (rows, in): each module runs its int8 path with its
     ``_int8`` replaced by a recording fp32 product."""
     seen = {}
     for m in model.modules():
-        if isinstance(m, encoder.Linear):
+        if isinstance(m, linear.Linear):
             def record(x, start=None, gelu=False, m=m):
                 seen[m] = x.reshape(-1, x.shape[-1]).float().clone()
                 out = F.linear(x.float(), m.weight, m.bias)
@@ -99,7 +99,7 @@ def fake_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def input_stats(m: encoder.Linear, x: torch.Tensor) -> dict[str, float]:
+def input_stats(m: linear.Linear, x: torch.Tensor) -> dict[str, float]:
     """How the row's int8 step is set, and the GEMM output's relative error with each side quantized."""
     amax = x.abs().amax(dim=1)
     rms = x.pow(2).mean(dim=1).sqrt()
@@ -121,7 +121,7 @@ def input_stats(m: encoder.Linear, x: torch.Tensor) -> dict[str, float]:
 
 def timing(model, shapes: list[str], runs: int, repeats: int) -> None:
     """Milliseconds of one forward per dense dtype (the median over runs of each run's median) and the ratios."""
-    dtypes = [d for d in encoder.DENSE_DTYPES if d != "bf16" or torch.ops.mkldnn._is_mkldnn_bf16_supported()]
+    dtypes = [d for d in linear.DENSE_DTYPES if d != "bf16" or torch.ops.mkldnn._is_mkldnn_bf16_supported()]
     print(f"machine: {machine()}\n| batch × N | " + " | ".join(f"{d} ms" for d in dtypes)
           + " | fp32 / int8 time | bf16 / int8 time |\n|---|" + "---:|" * (len(dtypes) + 2))
     for shape in shapes:
@@ -131,7 +131,7 @@ def timing(model, shapes: list[str], runs: int, repeats: int) -> None:
 
         def forward(dense):
             def call():
-                encoder.set_dense_dtype(model, dense)
+                linear.set_dense_dtype(model, dense)
                 model.last_hidden(ids, torch.ones_like(ids), hashes=hashes)
             return call
 

@@ -34,7 +34,7 @@ GEMMS = [("Q, K, V, attention output", 384, 384, None), ("FFN in, + GELU", 384, 
 def measure(rows: int, repeats: int) -> list[dict]:
     import copy
 
-    from yoso_serve.model.encoder import ONEDNN_LINEAR, Linear, set_dense_dtype
+    from yoso_serve.model.linear import ONEDNN_LINEAR, Linear, set_dense_dtype
 
     if ONEDNN_LINEAR is None:
         raise SystemExit("this torch has no oneDNN linear: nothing to compare")
@@ -73,7 +73,8 @@ def dense_pass(model, batch: int, tokens: int, dense: str):
     them. No attention, LayerNorm, embeddings or pooling: the floor of the served forward (bench/peer.py
     --floor)."""
     from yoso_serve.model.dense_int8 import project
-    from yoso_serve.model.encoder import YosoLayer, set_dense_dtype
+    from yoso_serve.model.encoder import YosoLayer
+    from yoso_serve.model.linear import set_dense_dtype
 
     set_dense_dtype(model, dense)
     layers = [m for m in model.modules() if isinstance(m, YosoLayer)]

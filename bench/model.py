@@ -77,7 +77,7 @@ def measure(yoso, softmax, batch: int, n: int, repeats: int, clock=time.perf_cou
     mask = torch.ones_like(ids)
     windowed = windows(ids, yoso.tokenizer)
     served = bool(yoso.config.hash_int8)
-    from yoso_serve.model.encoder import set_dense_dtype
+    from yoso_serve.model.linear import set_dense_dtype
 
     runs = {mode: (softmax if hashes is None else yoso, hashes, served if int8 is None else int8, dense)
             for mode, (hashes, int8, dense) in MODES.items()}

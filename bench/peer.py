@@ -178,11 +178,11 @@ def yoso_fp32_vectors(shorts: list[str]) -> list[list[float]]:
     the served default (``hashes=auto`` resolved for its length as the server resolves it)."""
     import torch
 
-    from yoso_serve.model import default_model_dir, encoder, load_pretrained
+    from yoso_serve.model import default_model_dir, linear, load_pretrained
     from yoso_serve.model.hashes import AUTO, AUTO_EXACT_BELOW, resolve_hashes
 
     model = load_pretrained(default_model_dir()).eval()
-    encoder.set_dense_dtype(model, "fp32")
+    linear.set_dense_dtype(model, "fp32")
     out = []
     with torch.inference_mode():
         for ids in model.tokenizer.encode(shorts[:PROBE_TEXTS]):

@@ -1,6 +1,6 @@
 """The fp32 sum of a dense layer's bf16 GEMM outputs (``--dense-dtype bf16``), plus the residual stream.
 
-A bf16 GEMM over a long K runs as one GEMM per K-block (model/encoder.py's ``BF16_K_BLOCK``), each giving bf16,
+A bf16 GEMM over a long K runs as one GEMM per K-block (model/linear.py's ``BF16_K_BLOCK``), each giving bf16,
 summed in fp32 in a fixed order after the residual ``start``: :func:`sum_parts_ref` in PyTorch ops made one pass
 over memory per part, with the fp32 sum read and written each time (about 1.9 ms of a (4096 × 1536) → 384 layer
 on 2 cores, AMD EPYC). :func:`sum_parts` makes it one pass in C++ (csrc/yoso_cpu_quant.cpp) where the extension

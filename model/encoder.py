@@ -20,175 +20,19 @@ reversible layers (:mod:`.reversible`).
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-
-from yoso_serve.kernels import sum_parts
 
 from .attention import build_attention
 from .config import EncoderConfig
-from .dense_int8 import int8_feed_forward, int8_linear, int8_weights, project, smooth_int8
+from .dense_int8 import int8_feed_forward, project
 from .hashes import resolve_hashes
+from .linear import Linear, activation
 from .reversible import ReversibleBlock, reversible_stack
 
 # Position ids start here, as in transformers' YOSO (rows 0 and 1 of the table are unused).
 POSITION_OFFSET = 2
-
-
-def activation(name: str):
-    """The activation function named by ``hidden_act`` (transformers' names)."""
-    tanh_gelu = functools.partial(F.gelu, approximate="tanh")  # a partial, not a lambda: picklable
-    table = {"gelu": F.gelu, "gelu_new": tanh_gelu, "gelu_pytorch_tanh": tanh_gelu, "gelu_fast": tanh_gelu,
-             "relu": F.relu, "silu": F.silu, "swish": F.silu, "tanh": torch.tanh}
-    if name not in table:
-        raise ValueError(f"hidden_act must be one of {sorted(table)}, got {name!r}")
-    return table[name]
-
-
-def _onednn_linear():
-    """oneDNN's fp32 linear (the op torch's own CPU compiler emits), or None where this torch lacks it."""
-    try:
-        return torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
-    except (AttributeError, RuntimeError):
-        return None
-
-
-ONEDNN_LINEAR = _onednn_linear()
-
-
-# The longest K one bf16 GEMM call takes (Linear's bf16 path): measured on a Xeon with AMX (torch 2.13.0,
-# 2 threads), K 384 gave every row the same bits at any row count from 1 to 1100, while K 768 and 1536 gave
-# three or four different roundings by row count (AVX512-BF16 without AMX: the same bits from 2 rows up).
-BF16_K_BLOCK = 384
-
-# Activations oneDNN applies inside the GEMM with aten's exact formula (bit-identical outputs; its tanh
-# GELU differs from aten's by up to 1.5e-4 relative, so those stay a separate pass).
-FUSED_ACTIVATIONS = {"gelu": ("gelu", "none"), "relu": ("relu", "")}
-
-
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16: Zen 4, Cooper Lake, Sapphire
-    Rapids and later), where oneDNN's bf16 GEMM runs about twice as fast as fp32 (bench/linear.py). Read
-    from /proc/cpuinfo's flags; False where there is none (not Linux)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state-dict keys) whose inference forward on CPU in fp32
-    runs oneDNN's GEMM instead of aten's BLAS call, optionally with the activation or the residual
-    add applied in the GEMM's epilogue. Same precision (fp32 products and sums, no reduced-precision
-    mode), results within fp32 rounding of aten's, and row-independent as aten's (a text's rows give
-    the same bits alone or in a batch). Why: on an AMD EPYC (Zen 4, 2 cores) the MKL sgemm behind aten
-    ran the model's shapes at 87–154 GFLOP/s and oneDNN at 120–185 (bench/linear.py); these GEMMs are
-    ~75 % of a short-text forward, and the separate GELU pass over the (rows, 1536) output another ~20 %. Anything
-    with a gradient, another device or dtype, and tracing or export (ONNX) take the plain ``F.linear``.
-
-    With ``bf16`` set (:func:`set_dense_dtype`; the server's ``--dense-dtype``), that same inference path
-    multiplies in bf16 (oneDNN, fp32 accumulation) with a bf16 copy of the weights: inputs and outputs are
-    rounded to bf16, outputs come back as fp32 (the residual add of :meth:`plus` in fp32), except those of
-    :meth:`activated` and :meth:`bf16_product`, which stay bf16 for readers that take bf16. About 1.7x the GEMM
-    speed where the CPU has bf16 instructions (:func:`native_bf16`); the model's outputs move by about
-    1e-3 relative (docs/benchmarks.md, "bf16 GEMMs").
-
-    A bf16 GEMM whose inputs are longer than :data:`BF16_K_BLOCK` runs as GEMMs over K-blocks of that
-    length, their bf16 outputs summed in fp32 in a fixed order: with AMX, oneDNN blocks a longer K by the
-    number of rows, so a row's bits depended on what else was in the batch; over one block they do not."""
-
-    bf16 = False  # per instance: set_dense_dtype
-    int8 = False  # per instance: set_dense_dtype (model/dense_int8.py)
-    int8_smooth: torch.Tensor | None = None  # per instance: dense_int8.smooth_int8 (x / smooth, W · smooth)
-
-    def _fast(self, x: torch.Tensor) -> bool:
-        return (ONEDNN_LINEAR is not None and x.device.type == "cpu"
-                and (x.dtype == torch.float32 or (self.bf16 and x.dtype == torch.bfloat16))
-                and self.weight.dtype == torch.float32 and x.dim() >= 2
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-                and not torch.jit.is_tracing() and not torch.onnx.is_in_onnx_export()
-                and not torch.compiler.is_compiling())
-
-    def _operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(x, weight, bias) for oneDNN: as they are, or in bf16 with the weights' bf16 copy (made again
-        whenever the fp32 weights changed)."""
-        if not self.bf16:
-            return x, self.weight, self.bias
-        key = (self.weight._version, self.weight.data_ptr(),
-               None if self.bias is None else (self.bias._version, self.bias.data_ptr()))
-        if getattr(self, "_bf16_key", None) != key:
-            weight = self.weight.detach().bfloat16()
-            if self.in_features > BF16_K_BLOCK:  # one contiguous weight block per K-block
-                weight = [w.contiguous() for w in weight.split(BF16_K_BLOCK, dim=1)]
-            self._bf16 = (weight, None if self.bias is None else self.bias.detach().bfloat16())
-            self._bf16_key = key
-        return x.bfloat16(), *self._bf16
-
-    def _int8(self, x: torch.Tensor, start: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
-        """The int8 product, weights quantized again whenever they or the smoothing vector changed."""
-        weight_q, weight_scale = int8_weights(self)
-        return int8_linear(x.float(), weight_q, weight_scale, self.bias, smooth=self.int8_smooth, start=start,
-                           gelu=gelu)
-
-    def _gemm(self, x: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
-        """``self(x)`` on oneDNN, fp32 out, plus ``start`` (fp32) if given: one GEMM, or in bf16 over a K longer
-        than BF16_K_BLOCK one GEMM per K-block, their bf16 outputs summed in fp32 in order after ``start``."""
-        if self.int8:
-            return self._int8(x, start)
-        x, weight, bias = self._operands(x)
-        if not isinstance(weight, list):
-            out = ONEDNN_LINEAR(x, weight, bias, "none", [], "")
-            return out.float() if start is None else sum_parts([out], start)
-        return sum_parts([ONEDNN_LINEAR(xj, wj, bias if j == 0 else None, "none", [], "")
-                          for j, (xj, wj) in enumerate(zip(x.split(BF16_K_BLOCK, dim=-1), weight))], start)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fast(x):
-            return self._gemm(x)
-        return F.linear(x, self.weight, self.bias)
-
-    def bf16_product(self, x: torch.Tensor) -> torch.Tensor:
-        """``self(x)`` in bf16 mode as the GEMM's own bf16 output (same values, half the bytes); fp32 if K-blocked."""
-        x, weight, bias = self._operands(x)
-        return self._gemm(x) if isinstance(weight, list) else ONEDNN_LINEAR(x, weight, bias, "none", [], "")
-
-    def activated(self, x: torch.Tensor, name: str, act) -> torch.Tensor:
-        """``act(self(x))``, where ``act`` is the activation ``hidden_act`` = ``name`` names (bf16 in bf16 mode)."""
-        if self.int8 and self._fast(x):  # exact GELU fused into the int8 epilogue; others after it
-            return self._int8(x, gelu=True) if name == "gelu" else act(self._gemm(x))
-        if name in FUSED_ACTIVATIONS and self._fast(x):
-            if self.bf16 and self.in_features > BF16_K_BLOCK:  # K-blocked: the sum first, then the activation
-                return act(self._gemm(x)).bfloat16()
-            attr, algorithm = FUSED_ACTIVATIONS[name]
-            return ONEDNN_LINEAR(*self._operands(x), attr, [], algorithm)
-        return act(self(x))
-
-    def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """``self(x) + other`` (``other`` shaped like the output; fp32 out)."""
-        if self._fast(x) and other.shape == (*x.shape[:-1], self.out_features) and other.dtype == torch.float32:
-            if self.bf16 or self.int8:  # the residual stream stays fp32: only the GEMM's output is rounded
-                return self._gemm(x, start=other)
-            return ONEDNN_LINEAR.binary(x, other, self.weight, self.bias, "add")
-        return F.linear(x, self.weight, self.bias) + other
-
-
-DENSE_DTYPES = ("fp32", "bf16", "int8")
-
-
-def set_dense_dtype(module: nn.Module, dtype: str) -> None:
-    """Run the CPU inference GEMMs of every :class:`Linear` in ``module`` in ``dtype`` ("fp32", "bf16" or "int8")."""
-    if dtype not in DENSE_DTYPES:
-        raise ValueError(f"dense dtype must be one of {DENSE_DTYPES}, got {dtype!r}")
-    for m in module.modules():
-        if isinstance(m, Linear):
-            m.bf16, m.int8 = dtype == "bf16", dtype == "int8"
-    if dtype == "int8":
-        smooth_int8(module)
 
 
 def layer_seed(hash_seed: int, layer_index: int) -> int:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import EncoderConfig
-from .encoder import activation
+from .linear import activation
 
 
 class ClassificationHead(nn.Module):

@@ -86,7 +86,7 @@ def load_served_model(settings: ServeSettings) -> LoadedModel:
     import torch
 
     from yoso_serve.model import load_pretrained
-    from yoso_serve.model.encoder import set_dense_dtype
+    from yoso_serve.model.linear import set_dense_dtype
     from yoso_serve.model.onnx_runtime import load_onnx
 
     device = settings.resolved_device()

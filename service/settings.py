@@ -194,7 +194,7 @@ class ServeSettings(BaseSettings):
         """``dense_dtype`` made concrete: ``auto`` is bf16 where the CPU multiplies bf16 in hardware."""
         if self.dense_dtype != "auto":
             return self.dense_dtype
-        from yoso_serve.model.encoder import native_bf16
+        from yoso_serve.model.linear import native_bf16
 
         return "bf16" if native_bf16() else "fp32"
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from yoso_serve.model import EncoderModel, load_pretrained
-from yoso_serve.model.encoder import DENSE_DTYPES, set_dense_dtype
+from yoso_serve.model.linear import DENSE_DTYPES, set_dense_dtype
 from yoso_serve.model.argtypes import bounded
 
 from . import retrieval

@@ -48,17 +48,17 @@ def test_sum_parts_leaves_the_residual_and_parts_as_they_were(ext, fn, dtype):
 def test_the_encoders_k_blocked_bf16_layer_sums_its_parts_as_the_twin(monkeypatch):
     """Linear.plus over K 1536 in bf16: the K-blocks' bf16 outputs summed after the residual by the C++ pass give
     the bits of the PyTorch ops it replaced."""
-    from yoso_serve.model import encoder
+    from yoso_serve.model import linear
 
-    if encoder.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if linear.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
     torch.manual_seed(0)
-    lin = encoder.Linear(1536, 384)
-    encoder.set_dense_dtype(lin, "bf16")
+    lin = linear.Linear(1536, 384)
+    linear.set_dense_dtype(lin, "bf16")
     x, residual = torch.randn(2, 40, 1536), torch.randn(2, 40, 384)
     with torch.no_grad():
         got, fast = lin.plus(x, residual), lin(x)
-        monkeypatch.setattr(encoder, "sum_parts", sum_parts_ref)
+        monkeypatch.setattr(linear, "sum_parts", sum_parts_ref)
         assert torch.equal(got, lin.plus(x, residual)) and torch.equal(fast, lin(x))
 
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from yoso_serve.model import default_model_dir, dense_int8, encoder, load_pretrained
+from yoso_serve.model import default_model_dir, dense_int8, linear, load_pretrained
 from yoso_serve.model.hashes import AUTO_EXACT_BELOW
 
 
 def test_int8_linear_gives_a_row_the_same_bits_at_any_row_count_and_stays_near_fp32():
     torch.manual_seed(0)
     for k, n in ((768, 768), (1536, 768), (137, 48)):
-        layer = encoder.Linear(k, n).eval()
-        encoder.set_dense_dtype(layer, "int8")
+        layer = linear.Linear(k, n).eval()
+        linear.set_dense_dtype(layer, "int8")
         x = torch.randn(1100, k)
         with torch.inference_mode():
             full = layer(x)
@@ -31,7 +31,7 @@ def test_int8_bundled_model_stays_near_fp32_on_short_and_long_texts_at_the_serve
              " ".join(["a long document about rivers, towns and the people who live beside them"] * 60)]
     out = {}
     for dense in ("fp32", "int8"):
-        encoder.set_dense_dtype(model, dense)
+        linear.set_dense_dtype(model, dense)
         rows = []
         for text in texts:
             ids = torch.tensor(model.tokenizer.encode([text]))
@@ -50,12 +50,12 @@ def test_int8_bundled_model_stays_near_fp32_on_short_and_long_texts_at_the_serve
 
 def test_int8_smooths_the_layernorm_fed_layers_with_exact_powers_of_two_calibrated_the_same_each_time():
     model = load_pretrained(default_model_dir())
-    encoder.set_dense_dtype(model, "bf16")  # the calibration runs in fp32 whatever was set before
-    encoder.set_dense_dtype(model, "int8")
+    linear.set_dense_dtype(model, "bf16")  # the calibration runs in fp32 whatever was set before
+    linear.set_dense_dtype(model, "int8")
     stack = model.encoder.encoder.layer
     fed = {id(m) for layer in stack for m in (layer.attention.self.query, layer.attention.self.key,
                                               layer.attention.self.value, layer.intermediate.dense)}
-    linears = [m for m in model.modules() if isinstance(m, encoder.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, linear.Linear)]
     assert all(m.int8 and not m.bf16 for m in linears)
     assert all((m.int8_smooth is not None) == (id(m) in fed) for m in linears)
     first = {id(m): m.int8_smooth.clone() for m in linears if m.int8_smooth is not None}
@@ -79,12 +79,12 @@ def test_smoothing_brings_short_texts_closer_to_fp32():
             return torch.cat([torch.nn.functional.normalize(model.embed(x, torch.ones_like(x), hashes=0), dim=-1)
                               for x in ids])
 
-    encoder.set_dense_dtype(model, "fp32")
+    linear.set_dense_dtype(model, "fp32")
     ref = vectors()
-    encoder.set_dense_dtype(model, "int8")
+    linear.set_dense_dtype(model, "int8")
     smoothed = (vectors() * ref).sum(-1)
     for m in model.modules():
-        if isinstance(m, encoder.Linear):
+        if isinstance(m, linear.Linear):
             m.int8_smooth = None
     plain = (vectors() * ref).sum(-1)
     print("1 - cosine to fp32, smoothed:", (1 - smoothed).tolist(), "plain:", (1 - plain).tolist())
@@ -93,7 +93,7 @@ def test_smoothing_brings_short_texts_closer_to_fp32():
 
 def test_q_k_v_as_one_int8_product_give_the_bits_of_three():
     model = load_pretrained(default_model_dir())
-    encoder.set_dense_dtype(model, "int8")
+    linear.set_dense_dtype(model, "int8")
     attn = model.encoder.encoder.layer[2].attention.self
     x = torch.randn(3, 50, attn.query.in_features)
     with torch.inference_mode():
@@ -114,10 +114,10 @@ def test_q_k_v_as_one_int8_product_give_the_bits_of_three():
 
 
 def test_q_k_v_in_bf16_read_one_rounding_of_the_input_and_give_the_bits_of_three(monkeypatch):
-    if encoder.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if linear.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
     model = load_pretrained(default_model_dir())
-    encoder.set_dense_dtype(model, "bf16")
+    linear.set_dense_dtype(model, "bf16")
     attn = model.encoder.encoder.layer[1].attention.self
     x = torch.randn(2, 40, attn.query.in_features)
     with torch.inference_mode():
@@ -138,12 +138,12 @@ def test_bf16_q_k_v_reach_the_yoso_core_as_they_are_and_give_the_bits_of_their_f
     """In bf16 the Q/K/V products go to the YOSO core as the GEMMs' own bf16 outputs (no fp32 copies) where the
     core reads them as their exact fp32 values and the output GEMM rounds the context to bf16 anyway: the
     model's vectors keep their bits, exact and hashed, with padding; with an fp32 output layer they stay fp32."""
-    if encoder.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if linear.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
     from yoso_serve.model.attention.yoso import YosoAttentionCore
 
     model = load_pretrained(default_model_dir())
-    encoder.set_dense_dtype(model, "bf16")
+    linear.set_dense_dtype(model, "bf16")
     if not model.encoder.encoder.layer[0].attention.self.core.reads_bf16():
         pytest.skip("the C++ kernels are not built")
     seen = []
@@ -175,7 +175,7 @@ def test_int8_feed_forward_quantizes_the_gelu_output_as_it_comes_and_keeps_the_m
     if not cpu_kernels_built():
         pytest.skip("needs the C++ extension")
     model = load_pretrained(default_model_dir())
-    encoder.set_dense_dtype(model, "int8")
+    linear.set_dense_dtype(model, "int8")
     ids = torch.randint(1000, 20000, (3, 90), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, 60:] = 0  # padding

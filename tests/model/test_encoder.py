@@ -118,9 +118,9 @@ def test_encoder_input_errors(kit):
 def test_linear_takes_onednn_only_for_cpu_fp32_inference(monkeypatch):
     """The encoder's Linear: oneDNN for frozen fp32 CPU inference, within fp32 rounding of F.linear and
     row-independent; F.linear (with its gradient) for training, other dtypes and tracing."""
-    from yoso_serve.model import encoder
+    from yoso_serve.model import linear
 
-    if encoder.ONEDNN_LINEAR is None:
+    if linear.ONEDNN_LINEAR is None:
         pytest.skip("this torch build has no oneDNN linear")
     calls = []
 
@@ -132,11 +132,11 @@ def test_linear_takes_onednn_only_for_cpu_fp32_inference(monkeypatch):
         calls.append(args[0].shape)
         return real.binary(*args)
 
-    real = encoder.ONEDNN_LINEAR
+    real = linear.ONEDNN_LINEAR
     counted.binary = counted_binary
-    monkeypatch.setattr(encoder, "ONEDNN_LINEAR", counted)
+    monkeypatch.setattr(linear, "ONEDNN_LINEAR", counted)
     torch.manual_seed(0)
-    lin = encoder.Linear(48, 80)
+    lin = linear.Linear(48, 80)
     x = torch.randn(3, 40, 48)[:, ::2]  # a strided view, as the chunked FFN's slices are
     with torch.no_grad():
         fast = lin(x)
@@ -155,7 +155,7 @@ def test_linear_takes_onednn_only_for_cpu_fp32_inference(monkeypatch):
         for name, act in (("gelu", torch.nn.functional.gelu), ("relu", torch.nn.functional.relu)):
             assert torch.equal(lin.activated(x, name, act), act(lin(x)))
             torch.testing.assert_close(lin.activated(x, name, act), act(ref), atol=1e-5, rtol=1e-5)
-        tanh = encoder.activation("gelu_new")
+        tanh = linear.activation("gelu_new")
         assert torch.equal(lin.activated(x, "gelu_new", tanh), tanh(lin(x)))  # not fused: a pass of its own
         other = torch.randn(3, 40, 80)[:, ::2]
         assert torch.equal(lin.plus(x, other), lin(x) + other)
@@ -178,16 +178,16 @@ def test_linear_in_bf16_multiplies_rounded_operands_and_keeps_rows_independent()
     bias (fp32 sums), rounded to bf16 and returned as fp32; the residual add of ``plus`` is fp32; a row gives
     the same bits alone or in a batch; the weights' bf16 copy follows weight updates; anything with a
     gradient still runs fp32 F.linear; "fp32" restores the fp32 path bit for bit."""
-    from yoso_serve.model import encoder
+    from yoso_serve.model import linear
 
-    if encoder.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if linear.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
     torch.manual_seed(0)
-    lin = encoder.Linear(48, 80)
+    lin = linear.Linear(48, 80)
     x = torch.randn(3, 40, 48)[:, ::2]
     with torch.no_grad():
         fp32 = lin(x)
-        encoder.set_dense_dtype(lin, "bf16")
+        linear.set_dense_dtype(lin, "bf16")
         out = lin(x)
         assert out.dtype == torch.float32 and torch.equal(out, out.bfloat16().float())  # rounded to bf16
         ref = torch.nn.functional.linear(_bf16(x), _bf16(lin.weight), _bf16(lin.bias))
@@ -199,8 +199,8 @@ def test_linear_in_bf16_multiplies_rounded_operands_and_keeps_rows_independent()
         torch.testing.assert_close(act.float(), torch.nn.functional.gelu(ref), rtol=2 ** -7, atol=1e-3)
         other = torch.randn(3, 20, 80) * 100  # the residual stream: large, and kept exact
         torch.testing.assert_close(lin.plus(x, other), out + other, rtol=0, atol=1e-4)
-        nxt = encoder.Linear(80, 48)
-        encoder.set_dense_dtype(nxt, "bf16")
+        nxt = linear.Linear(80, 48)
+        linear.set_dense_dtype(nxt, "bf16")
         torch.testing.assert_close(nxt(act), nxt(act.float()), rtol=0, atol=0)  # a bf16 input is taken as is
         lin.weight.mul_(2)  # in place: the bf16 copy must follow
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(_bf16(x), _bf16(lin.weight), _bf16(lin.bias)),
@@ -211,10 +211,10 @@ def test_linear_in_bf16_multiplies_rounded_operands_and_keeps_rows_independent()
     y.sum().backward()
     assert lin.weight.grad is not None
     with torch.no_grad():
-        encoder.set_dense_dtype(lin, "fp32")
+        linear.set_dense_dtype(lin, "fp32")
         assert torch.equal(lin(x), fp32)
     with pytest.raises(ValueError, match="fp32"):
-        encoder.set_dense_dtype(lin, "fp16")
+        linear.set_dense_dtype(lin, "fp16")
 
 
 @pytest.mark.parametrize("k", [768, 1536])
@@ -223,14 +223,14 @@ def test_linear_in_bf16_over_a_long_k_gives_a_row_the_same_bits_at_any_row_count
     row's bits do not depend on how many rows share the call (one GEMM over K 1536 with AMX gave a few rows
     in every hundred another bf16 rounding from 33 rows up); forward, plus and activated; near the one
     rounding of the whole product."""
-    from yoso_serve.model import encoder
+    from yoso_serve.model import linear
 
-    if encoder.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if linear.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
-    assert k > encoder.BF16_K_BLOCK
+    assert k > linear.BF16_K_BLOCK
     torch.manual_seed(0)
-    lin = encoder.Linear(k, 96)
-    encoder.set_dense_dtype(lin, "bf16")
+    lin = linear.Linear(k, 96)
+    linear.set_dense_dtype(lin, "bf16")
     rows = 420
     x, other = torch.randn(rows, k), torch.randn(rows, 96) * 10
     gelu = torch.nn.functional.gelu
@@ -252,30 +252,30 @@ def test_linear_in_bf16_over_a_long_k_gives_a_row_the_same_bits_at_any_row_count
 
 
 def test_native_bf16_reads_the_cpu_flags(monkeypatch, tmp_path):
-    from yoso_serve.model import encoder
+    from yoso_serve.model import linear
 
     info = tmp_path / "cpuinfo"
-    real = encoder.Path
+    real = linear.Path
 
     def fake(path):
         return info if str(path) == "/proc/cpuinfo" else real(path)
 
-    monkeypatch.setattr(encoder, "Path", fake)
+    monkeypatch.setattr(linear, "Path", fake)
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n")
-    assert not encoder.native_bf16()
+    assert not linear.native_bf16()
     info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 avx512_vnni\n")
-    assert encoder.native_bf16()
+    assert linear.native_bf16()
     info.write_text("flags\t\t: fpu amx_bf16 amx_tile\n")
-    assert encoder.native_bf16()
+    assert linear.native_bf16()
     info.unlink()
-    assert not encoder.native_bf16()
+    assert not linear.native_bf16()
 
 
 def test_bf16_dense_model_stays_near_fp32_and_row_independent():
     """A whole model with bf16 dense layers: embeddings within 1e-3 cosine of fp32 in exact mode, and a text's
     vector the same alone or beside a longer one (padding)."""
     from yoso_serve.model import EncoderConfig, EncoderModel
-    from yoso_serve.model.encoder import set_dense_dtype
+    from yoso_serve.model.linear import set_dense_dtype
 
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no oneDNN bf16 linear")

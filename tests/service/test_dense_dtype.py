@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from yoso_serve.model import encoder, load_pretrained
+from yoso_serve.model import linear, load_pretrained
 from yoso_serve.service import ServeSettings
 from yoso_serve.service.cli import load_settings
 
@@ -21,7 +21,7 @@ needs_bf16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 def direct(model_dir, text: str, dense: str) -> np.ndarray:
     model = load_pretrained(model_dir)
-    encoder.set_dense_dtype(model, dense)
+    linear.set_dense_dtype(model, dense)
     ids = torch.tensor(model.tokenizer.encode([text]))
     with torch.inference_mode():
         return torch.nn.functional.normalize(model.embed(ids, torch.ones_like(ids)), dim=-1)[0].numpy()
@@ -104,7 +104,7 @@ def test_fp32_server_says_so(tiny_dir, serve):
 
 def test_auto_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch):
     for native, expected in ((True, "bf16"), (False, "fp32")):
-        monkeypatch.setattr(encoder, "native_bf16", lambda native=native: native)
+        monkeypatch.setattr(linear, "native_bf16", lambda native=native: native)
         assert load_settings([]).resolved_dense_dtype() == expected
         assert load_settings(["--dense-dtype", "fp32"]).resolved_dense_dtype() == "fp32"
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
