@@ -53,6 +53,12 @@ def test_quantize_rows_rounds_half_to_even_clamps_and_keeps_zero_rows(ext):
     q, scale = ext.quantize_rows(x, None)
     assert q.tolist() == [[127, 0, 2, -2, -127], [0, 0, 0, 0, 0]]
     assert scale[0, 0].item() == 1.0 and scale[1, 0].item() == pytest.approx(1e-12 / 127)
+    # a row wide enough for the vector loops: every half rounds to even there too, as torch.round does, and the
+    # ends stay at +-127
+    halves = torch.arange(-126, 127, dtype=torch.float32) + 0.5
+    wide = torch.cat([torch.tensor([127.0, -127.0]), halves, torch.tensor([126.9999, -126.9999])])[None]
+    q, scale = ext.quantize_rows(wide, None)
+    assert scale.item() == 1.0 and torch.equal(q[0].long(), torch.round(wide[0]).long())
 
 
 def test_a_row_has_the_same_bits_at_any_row_count_and_thread_count(ext):
