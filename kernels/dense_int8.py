@@ -59,18 +59,24 @@ def _scaled_back(acc: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Ten
 
 def int8_linear_ref(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                     *, smooth: torch.Tensor | None = None, start: torch.Tensor | None = None,
-                    gelu: bool = False) -> torch.Tensor:
+                    gelu: bool = False, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x (..., in) fp32 → (..., out) fp32 ≈ ``F.linear(x, W, bias) + start``, where ``weight_q`` (out, in) int8 and
     ``weight_scale`` (out,) hold ``W · smooth`` quantized per output channel: the rows of ``x / smooth`` are
     quantized each on its own (scale max|row| / 127, round half to even), multiplied in int32, and scaled back;
-    ``gelu``: then GELU (erf form)."""
+    ``gelu``: then GELU (erf form); ``out_dtype`` bf16: that fp32 result rounded to bf16."""
     _check(x, weight_q, weight_scale)
     rows = x.reshape(-1, x.shape[-1]).float()
     if smooth is not None:
         rows = rows / smooth
     q, scale = int8_rows(rows)
     out = _scaled_back(torch._int_mm(q, weight_q.t()), scale, weight_scale, bias, start, gelu)
-    return out.view(*x.shape[:-1], weight_q.shape[0])
+    return out.to(_out_dtype(out_dtype)).view(*x.shape[:-1], weight_q.shape[0])
+
+
+def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    return dtype
 
 
 def _fast(x: torch.Tensor, start: torch.Tensor | None) -> bool:
@@ -101,11 +107,13 @@ def _extension(x: torch.Tensor, start: torch.Tensor | None, backend: str):
 
 def int8_linear(x: torch.Tensor | Int8Rows, weight_q: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None, *, smooth: torch.Tensor | None = None, start: torch.Tensor | None = None,
-                gelu: bool = False, backend: str = "auto") -> torch.Tensor:
+                gelu: bool = False, out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
     """:func:`int8_linear_ref`'s result, bit for bit without ``gelu``; the passes around the GEMM in C++ on CPU (fp32
     ``x``, the extension built, ``backend`` not "torch"). ``gelu`` there is fused into the last pass, within about
     1e-7 · |x| of aten's (erf from Abramowitz and Stegun 7.1.26, exp by a polynomial): the same bits on every run
-    and at any row count, not aten's bits. ``x`` may come quantized (:class:`Int8Rows`; no smoothing then)."""
+    and at any row count, not aten's bits. ``x`` may come quantized (:class:`Int8Rows`; no smoothing then).
+    ``out_dtype`` bf16: the fp32 result rounded to bf16 in the last pass (half the bytes written)."""
+    _out_dtype(out_dtype)
     if isinstance(x, Int8Rows):
         if smooth is not None:
             raise ValueError("an Int8Rows input is quantized already: it takes no smoothing vector")
@@ -115,11 +123,13 @@ def int8_linear(x: torch.Tensor | Int8Rows, weight_q: torch.Tensor, weight_scale
     else:
         ext = _extension(x, start, backend)
         if ext is None:
-            return int8_linear_ref(x, weight_q, weight_scale, _vector(bias), smooth=smooth, start=start, gelu=gelu)
+            return int8_linear_ref(x, weight_q, weight_scale, _vector(bias), smooth=smooth, start=start, gelu=gelu,
+                                   out_dtype=out_dtype)
         acc, scale = _sums(ext, x, weight_q, weight_scale, smooth)
     start = None if start is None else start.reshape(acc.shape).contiguous()
-    out = (_scaled_back(acc, scale, weight_scale, _vector(bias), start, gelu) if ext is None
-           else ext.dequantize_rows(acc, scale, _vector(weight_scale), _vector(bias), start, gelu))
+    out = (_scaled_back(acc, scale, weight_scale, _vector(bias), start, gelu).to(out_dtype) if ext is None
+           else ext.dequantize_rows(acc, scale, _vector(weight_scale), _vector(bias), start, gelu,
+                                    out_dtype == torch.bfloat16))
     return out.view(*x.shape[:-1], weight_q.shape[0])
 
 

@@ -109,7 +109,8 @@ def smooth_int8(model: nn.Module, alpha: float = SMOOTH_ALPHA, *, again: bool = 
 def project(linears: list[nn.Linear], x: torch.Tensor, *, bf16_out: bool = False) -> list[torch.Tensor]:
     """``[lin(x) for lin in linears]``; in int8, where all of them read ``x`` with one smoothing vector (Q, K, V),
     as one product: ``x`` quantized once and one GEMM over their weights side by side, the outputs views of it.
-    The same bits as one at a time (a row's quantization and each output channel's sum do not change). In bf16,
+    The same bits as one at a time (a row's quantization and each output channel's sum do not change); with
+    ``bf16_out`` rounded to bf16 as they are scaled back (a reader of bf16 takes half the bytes). In bf16,
     ``x`` is rounded to bf16 once for all of them (each would round it alike), and with ``bf16_out`` the outputs
     are the GEMMs' own bf16 results (``Linear.bf16_product``: the same values, no fp32 copies)."""
     first = linears[0]
@@ -127,7 +128,8 @@ def project(linears: list[nn.Linear], x: torch.Tensor, *, bf16_out: bool = False
         first._int8_fused = (torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), bias, parts)
         first._int8_fused_key = key
     weight_q, weight_scale, bias, _ = first._int8_fused
-    out = int8_linear(x.float(), weight_q, weight_scale, bias, smooth=first.int8_smooth)
+    out = int8_linear(x.float(), weight_q, weight_scale, bias, smooth=first.int8_smooth,
+                      out_dtype=torch.bfloat16 if bf16_out else torch.float32)
     return list(out.split([lin.out_features for lin in linears], dim=-1))
 
 

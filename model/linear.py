@@ -74,7 +74,8 @@ class Linear(nn.Linear):
     rounded to bf16, outputs come back as fp32 (the residual add of :meth:`plus` in fp32), except those of
     :meth:`activated` and :meth:`bf16_product`, which stay bf16 for readers that take bf16. About 1.7x the GEMM
     speed where the CPU has bf16 instructions (:func:`native_bf16`); the model's outputs move by about
-    1e-3 relative (docs/benchmarks.md, "bf16 GEMMs").
+    1e-3 relative (docs/benchmarks.md, "bf16 GEMMs"). With ``int8`` set (model/dense_int8.py) a bf16 input (the
+    YOSO core's context) is widened and quantized like an fp32 one.
 
     A bf16 GEMM whose inputs are longer than :data:`BF16_K_BLOCK` runs as GEMMs over K-blocks of that
     length, their bf16 outputs summed in fp32 in a fixed order: with AMX, oneDNN blocks a longer K by the
@@ -86,7 +87,7 @@ class Linear(nn.Linear):
 
     def _fast(self, x: torch.Tensor) -> bool:
         return (ONEDNN_LINEAR is not None and x.device.type == "cpu"
-                and (x.dtype == torch.float32 or (self.bf16 and x.dtype == torch.bfloat16))
+                and (x.dtype == torch.float32 or ((self.bf16 or self.int8) and x.dtype == torch.bfloat16))
                 and self.weight.dtype == torch.float32 and x.dim() >= 2
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
                 and not torch.jit.is_tracing() and not torch.onnx.is_in_onnx_export()

@@ -4,7 +4,8 @@
 //   quantize_rows(x (R, K) fp32, smooth (K) fp32 or None) -> [q (R, K) int8, scale (R, 1) fp32]
 //     y = x / smooth (per channel, if given); scale = max(max|y|, 1e-12) / 127; q = clamp(round(y / scale), +-127)
 //   dequantize_rows(acc (R, N) int32, scale (R, 1), col_scale (N), bias (N) or None, start (R, N) or None)
-//     -> (R, N) fp32 = float(acc) * scale * col_scale + bias + start, in that order; gelu=True: then GELU
+//     -> (R, N) fp32 = float(acc) * scale * col_scale + bias + start, in that order; gelu=True: then GELU;
+//     bf16=True: that fp32 result rounded to bf16 (nearest, ties to even, as torch's .bfloat16())
 //   requantize_rows(acc, scale, col_scale, bias or None, gelu) -> [q, scale]: the two above in one pass (an int8
 //     layer's output straight into the next int8 layer's input)
 // and one after bf16 GEMMs (--dense-dtype bf16), whose outputs are bf16:
@@ -129,6 +130,19 @@ void dequantize_block(const int32_t* __restrict acc, const float* __restrict sca
   }
 }
 
+// fp32 -> bf16 bits, rounded to nearest with ties to even as c10::BFloat16 does (a NaN becomes its quiet NaN).
+inline uint16_t bf16_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t(0x7FC0) : uint16_t(rounded);
+}
+
+YOSO_SIMD_CLONES
+void to_bf16(const float* __restrict x, int64_t n, uint16_t* __restrict out) {
+  for (int64_t c = 0; c < n; ++c) out[c] = bf16_bits(x[c]);
+}
+
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, width)); }
 
 // The residual rows added to an output of (rows, n), checked, or null.
@@ -182,19 +196,29 @@ const float* check_sums(const torch::Tensor& acc, const torch::Tensor& scale, co
 
 torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& scale, const torch::Tensor& col_scale,
                               const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& start,
-                              bool gelu) {
+                              bool gelu, bool bf16) {
   const float* bp = check_sums(acc, scale, col_scale, bias);
   const int64_t rows = acc.size(0), n = acc.size(1);
   const float* stp = start_rows(start, rows, n);
-  torch::Tensor out = torch::empty({rows, n}, scale.options());
+  torch::Tensor out = torch::empty({rows, n}, scale.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   if (rows == 0 || n == 0) return out;
   const int32_t* ap = acc.data_ptr<int32_t>();
   const float* sp = scale.data_ptr<float>();
   const float* cp = col_scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   run_without_gil([&] {
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
-      dequantize_block(ap, sp, cp, bp, stp, op, r0, r1, n, gelu);
+      if (!bf16) {
+        dequantize_block(ap, sp, cp, bp, stp, out.data_ptr<float>(), r0, r1, n, gelu);
+        return;
+      }
+      // each row in fp32 into a buffer the thread reuses, then rounded: half the bytes written
+      uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+      std::vector<float> buf(n);
+      for (int64_t r = r0; r < r1; ++r) {
+        dequantize_block(ap + r * n, sp + r, cp, bp, stp == nullptr ? nullptr : stp + r * n, buf.data(), 0, 1, n,
+                         gelu);
+        to_bf16(buf.data(), n, op + r * n);
+      }
     });
   });
   return out;
@@ -313,9 +337,10 @@ void register_quant_ops(pybind11::module_& m) {
         py::arg("x"), py::arg("smooth"));
   m.def("dequantize_rows", &dequantize_rows,
         "(acc (R, N) int32, scale (R, 1) fp32, col_scale (N,) fp32, bias (N,) or None, start (R, N) fp32 or None, "
-        "gelu=False) -> (R, N) fp32 = acc * scale * col_scale + bias + start, then GELU (erf form, ~1e-7 off aten's)",
+        "gelu=False, bf16=False) -> (R, N) fp32 = acc * scale * col_scale + bias + start, then GELU (erf form, ~1e-7 "
+        "off aten's); bf16: that result rounded to bf16 (nearest, ties to even)",
         py::arg("acc"), py::arg("scale"), py::arg("col_scale"), py::arg("bias"), py::arg("start"),
-        py::arg("gelu") = false);
+        py::arg("gelu") = false, py::arg("bf16") = false);
   m.def("requantize_rows", &requantize_rows,
         "(acc (R, N) int32, scale (R, 1) fp32, col_scale (N,) fp32, bias (N,) or None, gelu=False) -> [q (R, N) int8, "
         "scale (R, 1) fp32]: quantize_rows(dequantize_rows(acc, scale, col_scale, bias, None, gelu), None), the same "

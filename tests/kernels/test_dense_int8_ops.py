@@ -48,6 +48,25 @@ def test_cpp_passes_match_the_pytorch_twin_bit_for_bit_and_the_oracle(ext, k, n,
     torch.testing.assert_close(fast.double(), oracle(x, w, w_scale, bias, smooth, start), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("k,n", [(384, 1152), (37, 5)])
+@pytest.mark.parametrize("with_start", [False, True])
+def test_bf16_output_is_the_fp32_output_rounded_to_nearest_even(ext, k, n, with_start):
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(2, 33, k, generator=gen)
+    w, w_scale, bias = weights(n, k, seed=1)
+    start = torch.randn(2, 33, n, generator=gen) if with_start else None
+    wide = int8_linear(x, w, w_scale, bias, start=start)
+    out = int8_linear(x, w, w_scale, bias, start=start, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 33, n)
+    assert torch.equal(out, wide.bfloat16())
+    assert torch.equal(out, int8_linear_ref(x, w, w_scale, bias, start=start, out_dtype=torch.bfloat16))
+    acc = torch.tensor([[1, -1, 3, 0]], dtype=torch.int32)  # ties: 1 + 2^-8 and 1 + 3 * 2^-8 round to even
+    ties = ext.dequantize_rows(acc, torch.ones(1, 1), torch.full((4,), 2.0 ** -8), torch.ones(4), None, False, True)
+    assert ties.tolist() == [[1.0, 1.0 - 2.0 ** -8, 1.0 + 2.0 ** -6, 1.0]]
+    with pytest.raises(ValueError, match="out_dtype must be torch.float32 or torch.bfloat16"):
+        int8_linear(x, w, w_scale, bias, out_dtype=torch.float16)
+
+
 def test_quantize_rows_rounds_half_to_even_clamps_and_keeps_zero_rows(ext):
     x = torch.tensor([[127.0, 0.5, 1.5, -2.5, -127.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
     q, scale = ext.quantize_rows(x, None)

@@ -193,3 +193,34 @@ def test_int8_feed_forward_quantizes_the_gelu_output_as_it_comes_and_keeps_the_m
     x = torch.randn(1, 5, layer.output.dense.out_features)
     layer.output.dense.int8 = False  # FFN out in fp32: not this path
     assert dense_int8.int8_feed_forward(layer.intermediate, layer.output, x) is None
+
+
+def test_int8_q_k_v_reach_the_yoso_core_in_bf16_and_a_text_keeps_its_bits_in_any_batch(monkeypatch):
+    """In int8 the fused Q/K/V product is scaled back straight into bf16 for the YOSO core (its output layer
+    quantizes the context to 8 bits a row anyway): the core sees bf16, exact mode's vectors stay within bf16
+    rounding of the fp32-Q/K/V path, and a text gives the same bits alone as padded in a batch, exact and hashed."""
+    from yoso_serve.model.attention.yoso import YosoAttentionCore
+
+    model = load_pretrained(default_model_dir())
+    linear.set_dense_dtype(model, "int8")
+    if not model.encoder.encoder.layer[0].attention.self.core.reads_bf16():
+        pytest.skip("the C++ kernels are not built")
+    seen = []
+    real_forward = YosoAttentionCore.forward
+    monkeypatch.setattr(YosoAttentionCore, "forward", lambda self, q, *a, **k: seen.append(q.dtype)
+                        or real_forward(self, q, *a, **k))
+    ids = torch.randint(1000, 20000, (3, 150), generator=torch.Generator().manual_seed(1))
+    lengths = [150, 97, 12]
+    mask = (torch.arange(150)[None, :] < torch.tensor(lengths)[:, None]).long()
+    with torch.inference_mode():
+        batch = {h: model.embed(ids, mask, hashes=h) for h in (0, 8)}
+        assert set(seen) == {torch.bfloat16}
+        alone = {h: torch.cat([model.embed(ids[i:i + 1, :n], mask[i:i + 1, :n], hashes=h) for i, n in
+                               enumerate(lengths)]) for h in (0, 8)}
+        monkeypatch.setattr(YosoAttentionCore, "reads_bf16", lambda self: False)
+        seen.clear()
+        wide = {h: model.embed(ids, mask, hashes=h) for h in (0, 8)}
+        assert set(seen) == {torch.float32}
+    assert all(torch.equal(batch[h], alone[h]) for h in (0, 8))
+    # exact mode: bf16's rounding alone (hashed, a q or k row that rounding moves across a plane takes other keys)
+    assert torch.nn.functional.cosine_similarity(batch[0], wide[0]).min() > 0.999
