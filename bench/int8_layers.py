@@ -82,11 +82,14 @@ def captured_inputs(model, short) -> dict[linear.Linear, torch.Tensor]:
                 out = out if start is None else out + start
                 return F.gelu(out) if gelu else out
             m._int8, m.int8 = record, True
-    fused, encoder.project = encoder.project, lambda group, x: [lin(x) for lin in group]  # Q, K, V one by one
+    # Q, K, V one by one, and FFN in and out each through its own _int8 (not the fused int8 feed-forward)
+    fused = encoder.project, encoder.int8_feed_forward
+    encoder.project = lambda group, x, **_: [lin(x) for lin in group]
+    encoder.int8_feed_forward = lambda *_: None
     try:
         embed(model, short, [])
     finally:
-        encoder.project = fused
+        encoder.project, encoder.int8_feed_forward = fused
     for m in seen:
         del m._int8
         m.int8 = False

@@ -159,3 +159,21 @@ def test_a_configuration_that_does_not_keep_its_vectors_is_shown_but_never_the_b
     assert short == "| short, concurrency 1 (req/s) | 30.0 | 10.0 | **15.0** | 40.0 | **2.00×** (2.00) |"
     assert f"infinity torch int8 at {excluded[int8]:.3f}" in md and "0.995" in md
     assert "**0.75×**" in tables(runs, [fp32, bf16, int8], [1])  # compared when nothing is excluded
+
+
+def test_int8_layers_captures_every_linears_input_and_puts_the_model_back():
+    """bench/int8_layers.py's capture runs the bundled model with Q/K/V one by one (its stand-in for the fused
+    product takes the forward's keywords) and the FFN's two layers apart, records each Linear's fp32 input, then
+    leaves the model and the encoder module as they were."""
+    import torch
+
+    import int8_layers
+    from yoso_serve.model import default_model_dir, encoder, linear, load_pretrained
+
+    model = load_pretrained(default_model_dir()).eval()
+    patched = encoder.project, encoder.int8_feed_forward
+    short = torch.randint(1000, 20000, (2, 12), generator=torch.Generator().manual_seed(0))
+    seen = int8_layers.captured_inputs(model, short)
+    linears = [m for m in model.modules() if isinstance(m, linear.Linear)]
+    assert set(seen) == set(linears) and all(x.shape == (24, m.in_features) for m, x in seen.items())
+    assert (encoder.project, encoder.int8_feed_forward) == patched and not any(m.int8 or "_int8" in vars(m) for m in linears)
