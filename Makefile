@@ -60,6 +60,7 @@ bench: install-dev
 	$(PY) bench/attention.py
 	$(PY) bench/model.py
 	$(PY) bench/linear.py
+	$(PY) bench/forward_parts.py
 
 # The peer of bench/peer.py in a venv of its own (ignored by git, under bench/out): infinity-emb with its
 # torch engine and its ONNX Runtime one (the optimum extra), held to the same CPU torch by a constraints file,

@@ -177,3 +177,30 @@ def test_int8_layers_captures_every_linears_input_and_puts_the_model_back():
     linears = [m for m in model.modules() if isinstance(m, linear.Linear)]
     assert set(seen) == set(linears) and all(x.shape == (24, m.in_features) for m, x in seen.items())
     assert (encoder.project, encoder.int8_feed_forward) == patched and not any(m.int8 or "_int8" in vars(m) for m in linears)
+
+
+def test_forward_parts_times_each_part_inside_the_forward_and_puts_everything_back():
+    """bench/forward_parts.py: in int8 the GEMMs, the attention, the C++ passes and LayerNorm are each timed (the
+    call counts of the bundled model's six blocks), their sum stays inside the forward, and every patched function
+    is the original again afterwards."""
+    import torch
+
+    import forward_parts
+    from yoso_serve.kernels import cpu_kernels_built
+    from yoso_serve.model import default_model_dir, linear, load_pretrained
+
+    if not cpu_kernels_built():
+        import pytest
+
+        pytest.skip("needs the C++ extension")
+    model = load_pretrained(default_model_dir()).eval()
+    linear.set_dense_dtype(model, "int8")
+    before = torch._int_mm, linear.ONEDNN_LINEAR, torch.nn.LayerNorm.forward
+    out = forward_parts.parts(model, 2, 40, repeats=1)
+    assert (torch._int_mm, linear.ONEDNN_LINEAR, torch.nn.LayerNorm.forward) == before
+    calls = {label: n for label, (_, n) in out["parts"].items()}
+    assert calls["GEMMs"] == 4 * 6 and calls["attention"] == 6 and calls["LayerNorm"] == 13
+    assert calls["inputs quantized per row"] == 3 * 6 and calls["FFN in scaled back, GELU, quantized for FFN out"] == 6
+    assert 0 < sum(s for s, _ in out["parts"].values()) <= out["forward"]
+    text = forward_parts.table({("int8", 2, 40): out})
+    assert "| GEMMs |" in text and "**forward**" in text
