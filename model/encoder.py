@@ -135,7 +135,7 @@ class YosoAttention(nn.Module):
         self.output = DenseResidual(config.hidden_size, config)
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None, hashes: int) -> torch.Tensor:
-        # the output GEMM rounds the context to bf16, or in int8 to 8 bits a row: a bf16 context loses nothing more
+        # the output GEMM rounds the context to bf16, or in int8 to 8 bits a row: a bf16 context costs next to nothing
         bf16 = self.output.dense.bf16 or self.output.dense.int8
         return self.output(self.self(hidden, mask, hashes, bf16_context=bf16), hidden)
 

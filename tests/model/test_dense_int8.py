@@ -134,6 +134,22 @@ def test_q_k_v_in_bf16_read_one_rounding_of_the_input_and_give_the_bits_of_three
     assert all(torch.equal(t, a) for t, a in zip(together, alone))
 
 
+def core_input_spy(monkeypatch, dense: str):
+    """The bundled model in ``dense``, and the dtype of q each call of the YOSO core gets appended to a list:
+    (model, that list, the core's own forward). Skips where the C++ kernels (the core's bf16 reader) are not built."""
+    from yoso_serve.model.attention.yoso import YosoAttentionCore
+
+    model = load_pretrained(default_model_dir())
+    linear.set_dense_dtype(model, dense)
+    if not model.encoder.encoder.layer[0].attention.self.core.reads_bf16():
+        pytest.skip("the C++ kernels are not built")
+    seen = []
+    real_forward = YosoAttentionCore.forward
+    monkeypatch.setattr(YosoAttentionCore, "forward", lambda self, q, *a, **k: seen.append(q.dtype)
+                        or real_forward(self, q, *a, **k))
+    return model, seen, real_forward
+
+
 def test_bf16_q_k_v_reach_the_yoso_core_as_they_are_and_give_the_bits_of_their_fp32_copies(monkeypatch):
     """In bf16 the Q/K/V products go to the YOSO core as the GEMMs' own bf16 outputs (no fp32 copies) where the
     core reads them as their exact fp32 values and the output GEMM rounds the context to bf16 anyway: the
@@ -142,14 +158,7 @@ def test_bf16_q_k_v_reach_the_yoso_core_as_they_are_and_give_the_bits_of_their_f
         pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
     from yoso_serve.model.attention.yoso import YosoAttentionCore
 
-    model = load_pretrained(default_model_dir())
-    linear.set_dense_dtype(model, "bf16")
-    if not model.encoder.encoder.layer[0].attention.self.core.reads_bf16():
-        pytest.skip("the C++ kernels are not built")
-    seen = []
-    real_forward = YosoAttentionCore.forward
-    monkeypatch.setattr(YosoAttentionCore, "forward", lambda self, q, *a, **k: seen.append(q.dtype)
-                        or real_forward(self, q, *a, **k))
+    model, seen, real_forward = core_input_spy(monkeypatch, "bf16")
     ids = torch.randint(1000, 20000, (3, 150), generator=torch.Generator().manual_seed(0))
     mask = (torch.arange(150)[None, :] < torch.tensor([150, 97, 12])[:, None]).long()
     with torch.inference_mode():
@@ -201,14 +210,7 @@ def test_int8_q_k_v_reach_the_yoso_core_in_bf16_and_a_text_keeps_its_bits_in_any
     rounding of the fp32-Q/K/V path, and a text gives the same bits alone as padded in a batch, exact and hashed."""
     from yoso_serve.model.attention.yoso import YosoAttentionCore
 
-    model = load_pretrained(default_model_dir())
-    linear.set_dense_dtype(model, "int8")
-    if not model.encoder.encoder.layer[0].attention.self.core.reads_bf16():
-        pytest.skip("the C++ kernels are not built")
-    seen = []
-    real_forward = YosoAttentionCore.forward
-    monkeypatch.setattr(YosoAttentionCore, "forward", lambda self, q, *a, **k: seen.append(q.dtype)
-                        or real_forward(self, q, *a, **k))
+    model, seen, _ = core_input_spy(monkeypatch, "int8")
     ids = torch.randint(1000, 20000, (3, 150), generator=torch.Generator().manual_seed(1))
     lengths = [150, 97, 12]
     mask = (torch.arange(150)[None, :] < torch.tensor(lengths)[:, None]).long()
