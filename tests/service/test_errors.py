@@ -649,8 +649,9 @@ def test_a_burst_of_tokenize_calls_cannot_hold_up_model_work(tiny_dir, serve):
 
 
 def test_large_answers_are_json_made_in_small_pieces():
-    """encode_json writes what one json.dumps of the same lists writes, in calls small enough that the event
-    loop gets the GIL between them (one call on 130 MB of token states held it for 3 s)."""
+    """encode_json writes the values one json.dumps of the same lists writes (floats may be written positionally
+    where json uses an exponent), in calls small enough that the event loop gets the GIL between them (one call on 130 MB of token states
+    held it for 3 s)."""
     import numpy as np
 
     from yoso_serve.service import responses
@@ -670,15 +671,18 @@ def test_large_answers_are_json_made_in_small_pieces():
         return [plain(v) for v in x] if isinstance(x, list) else x
 
     for value in (states, pieces, tokens, [[], {}, "x", None]):
-        assert responses.encode_json(value) == json.dumps(plain(value), separators=(",", ":"))
+        text, want = responses.encode_json(value), json.dumps(plain(value), separators=(",", ":"))
+        assert json.loads(text) == json.loads(want) and " " not in text
+    tiny = np.array([1e-5, -2.5e-7, 0.1, 3e38, -0.0, 7], dtype=np.float32)
+    assert json.loads(responses.encode_json(tiny)) == tiny.tolist()  # float32 widened: the same float64 values
     assert responses.encode_json({"score": np.float32(0.25), "rows": np.zeros((2, 0))}) == '{"score":0.25,"rows":[[],[]]}'
     calls = []
-    real = json.dumps
+    real = responses._dump_row
     try:
-        responses.json.dumps = lambda *a, **k: calls.append(1) or real(*a, **k)
+        responses._dump_row = lambda *a: calls.append(1) or real(*a)
         responses.encode_json(states)
     finally:
-        responses.json.dumps = real
+        responses._dump_row = real
     assert len(calls) >= 703  # a call per row: none holds the GIL for long
 
 
