@@ -34,8 +34,10 @@ def embed_scope(*headers: tuple[bytes, bytes]) -> dict:
             "server": ("test", 80)}
 
 
-def slow_loader(path, delay: float = 0.3, *, fail: bool = False, gate: threading.Event | None = None):
-    """The real tiny model with a forward that takes ``delay`` s (or raises), to fill the queue on purpose."""
+def slow_loader(path, delay: float = 0.3, *, fail: bool = False, gate: threading.Event | None = None,
+                started: threading.Event | None = None):
+    """The real tiny model with a forward that takes ``delay`` s (or raises), to fill the queue on purpose;
+    ``started`` is set as each forward begins."""
     def load():
         if gate is not None:
             gate.wait(10)
@@ -46,6 +48,8 @@ def slow_loader(path, delay: float = 0.3, *, fail: bool = False, gate: threading
         def embed(*args, **kw):
             if fail and next(calls) >= 2:  # the two warm-up batches pass, requests fail
                 raise RuntimeError("secret internal detail /srv/weights")
+            if started is not None:
+                started.set()
             time.sleep(delay)
             return real(*args, **kw)
 
@@ -406,11 +410,14 @@ def test_429_at_once_when_predicted_late_and_504_when_nothing_could_predict_it(t
     # 0.4 s) measured the speed, so the second is refused at once; so it is behind an LSH count never run
     # before (4), predicted at the served count's speed. Behind exact mode never run before (0) there is
     # nothing to predict from: it is queued and outlives its deadline.
+    started = threading.Event()
+
     async def main():
-        async with serve(tiny_dir, chunk_overlap=16, load_model=slow_loader(tiny_dir, 0.4),
+        async with serve(tiny_dir, chunk_overlap=16, load_model=slow_loader(tiny_dir, 0.4, started=started),
                          max_batch_requests=1, request_timeout=0.1) as c:
+            started.clear()  # the warm-up's forwards set it
             first = asyncio.create_task(c.post("/embed", json={"inputs": "first " * 70, "hashes": first_hashes}))
-            await asyncio.sleep(0.05)
+            assert await asyncio.to_thread(started.wait, 10)  # the first holds the model: no race with a sleep
             late = await c.post("/embed", json={"inputs": "second one waits"})
             return (await first, late, metric(c, "yoso_failures_total", reason="deadline_exceeded"),
                     metric(c, "yoso_rejections_total", reason="predicted_wait"))
