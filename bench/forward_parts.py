@@ -86,7 +86,8 @@ def timing(clock: Clock) -> ExitStack:
 
 
 def parts(model, batch: int, length: int, repeats: int, seed: int = 0) -> dict:
-    """{"forward": median s, "parts": {label: (median s, calls per forward)}} of ``repeats`` forwards."""
+    """{"forward": median s, "parts": {label: (median s, calls per forward)}, "rest": the forward less the parts}
+    of ``repeats`` forwards."""
     ids = torch.randint(1000, 20000, (batch, length), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(ids)
     hashes = 0 if length < AUTO_EXACT_BELOW else None
@@ -103,8 +104,9 @@ def parts(model, batch: int, length: int, repeats: int, seed: int = 0) -> dict:
             for label, s in clock.seconds.items():
                 per_part[label].append(s)
             calls = dict(clock.calls)
-    return {"forward": median(totals),
-            "parts": {label: (median(v + [0.0] * (repeats - len(v))), calls[label]) for label, v in per_part.items()}}
+    timed = {label: (median(v + [0.0] * (repeats - len(v))), calls[label]) for label, v in per_part.items()}
+    forward = median(totals)
+    return {"forward": forward, "parts": timed, "rest": forward - sum(s for s, _ in timed.values())}
 
 
 def table(results: dict) -> str:
@@ -118,8 +120,8 @@ def table(results: dict) -> str:
         cells = [f"{results[k]['parts'][lab][0] * 1e3:.1f} ({results[k]['parts'][lab][1]})"
                  if lab in results[k]["parts"] else "—" for k in keys]
         lines.append(f"| {lab} | " + " | ".join(cells) + " |")
-    rest = [results[k]["forward"] - sum(s for s, _ in results[k]["parts"].values()) for k in keys]
-    lines.append("| the rest (Python, views, embeddings, pooling) | " + " | ".join(f"{r * 1e3:.1f}" for r in rest) + " |")
+    lines.append("| the rest (Python, views, embeddings, pooling) | "
+                 + " | ".join(f"{results[k]['rest'] * 1e3:.1f}" for k in keys) + " |")
     lines.append("| **forward** | " + " | ".join(f"**{results[k]['forward'] * 1e3:.1f}**" for k in keys) + " |")
     return "\n".join(lines)
 
@@ -137,8 +139,8 @@ def plot(results: dict, path: Path) -> None:
     names = [f"{d} {b}×{n}" for d, b, n in keys]
     left = [0.0] * len(keys)
     for lab in [*labels, "rest"]:
-        widths = [1e3 * (results[k]["parts"].get(lab, (0, 0))[0] if lab != "rest" else
-                         results[k]["forward"] - sum(s for s, _ in results[k]["parts"].values())) for k in keys]
+        widths = [1e3 * (results[k]["rest"] if lab == "rest" else results[k]["parts"].get(lab, (0, 0))[0])
+                  for k in keys]
         ax.barh(names, widths, left=left, label=lab)
         left = [a + w for a, w in zip(left, widths)]
     ax.set_xlabel("ms per forward")
