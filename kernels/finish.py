@@ -44,10 +44,12 @@ def _fast(context: torch.Tensor, v: torch.Tensor, conv_weight: torch.Tensor | No
 
 def attention_finish(context: torch.Tensor, v: torch.Tensor, conv_weight: torch.Tensor | None,
                      key_mask: torch.Tensor | None, *, normalize: bool = True, eps: float = NORM_EPS,
-                     backend: str = "auto") -> torch.Tensor:
-    """:func:`attention_finish_ref`'s result. On the C++ path (CPU, fp32 ``context``, ``v`` fp32 or bf16 (read
-    as its exact fp32 values), no gradients, backend not "torch", the extension built) ``context`` is
-    overwritten and returned: pass a tensor you own, such as the attention op's fresh output."""
+                     backend: str = "auto", out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`attention_finish_ref`'s result in ``out_dtype`` (None: ``context``'s). On the C++ path (CPU, fp32
+    ``context``, ``v`` fp32 or bf16 (read as its exact fp32 values), no gradients, backend not "torch", the
+    extension built) ``context`` is overwritten: pass a tensor you own, such as the attention op's fresh output.
+    It is returned itself, or for ``out_dtype`` bf16 a copy with its strides that the same pass rounded as
+    ``.to(torch.bfloat16)`` rounds."""
     if _fast(context, v, conv_weight, backend):
         from ._build import cpu_extension
 
@@ -55,6 +57,10 @@ def attention_finish(context: torch.Tensor, v: torch.Tensor, conv_weight: torch.
         if ext is not None:
             weight = None if conv_weight is None else conv_weight.detach().reshape(conv_weight.shape[0], -1).contiguous()
             keep = None if key_mask is None else key_mask.to(torch.bool).contiguous()
-            ext.attention_finish(context, v, weight, keep, normalize, eps)
-            return context
-    return attention_finish_ref(context, v, conv_weight, key_mask, normalize=normalize, eps=eps)
+            out16 = torch.empty_like(context, dtype=torch.bfloat16) if out_dtype == torch.bfloat16 else None
+            ext.attention_finish(context, v, weight, keep, normalize, eps, out16)
+            if out16 is not None:
+                return out16
+            return context if out_dtype is None else context.to(out_dtype)
+    out = attention_finish_ref(context, v, conv_weight, key_mask, normalize=normalize, eps=eps)
+    return out if out_dtype is None else out.to(out_dtype)

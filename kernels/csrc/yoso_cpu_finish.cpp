@@ -1,7 +1,8 @@
 // What a YOSO layer does to the attention output after the op, for inference, in one pass over it
 // (registered into the module by yoso_cpu.cpp's PYBIND11_MODULE):
 //
-//   attention_finish(out, v, weight, keep, normalize, eps) -> None, out (fp32) modified in place; v fp32 or bf16:
+//   attention_finish(out, v, weight, keep, normalize, eps, out16=None) -> None, out (fp32) modified in place; v fp32
+//   or bf16; out16 (bf16, out's shape) given: each finished row also written there, rounded as .bfloat16() rounds:
 //     out[b, h, n] = out[b, h, n] / max(|out[b, h, n]|, eps)          (N-YOSO's row norm, if normalize)
 //                  + sum_t weight[h, t] * v[b, h, n + t - W/2] * keep[b, n + t - W/2]   (YOSO-C, if weight)
 //
@@ -82,13 +83,24 @@ void finish_rows(const Rows& r, int64_t i0, int64_t i1, bool normalize, float ep
   }
 }
 
+YOSO_SIMD_CLONES
+void narrow_row(const float* __restrict x, int64_t d, uint16_t* __restrict to) {
+  for (int64_t c = 0; c < d; ++c) to[c] = yoso::simd::bf16_bits(x[c]);
+}
+
 void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::optional<torch::Tensor>& weight,
-                      const c10::optional<torch::Tensor>& keep, bool normalize, double eps) {
+                      const c10::optional<torch::Tensor>& keep, bool normalize, double eps,
+                      const c10::optional<torch::Tensor>& out16) {
   check_view(out, "out");
   const bool bf16 = v.scalar_type() == at::kBFloat16;
   check_view(v, "v", bf16);
   YOSO_CHECK(v.sizes() == out.sizes(), "v must have out's shape (B, H, N, D) ", out.sizes(), ", got ", v.sizes());
   YOSO_CHECK(eps > 0, "eps must be positive, got ", eps);
+  if (out16.has_value()) {
+    check_view(*out16, "out16", true);
+    YOSO_CHECK(out16->sizes() == out.sizes(), "out16 must have out's shape (B, H, N, D) ", out.sizes(), ", got ",
+               out16->sizes());
+  }
   const int64_t batch = out.size(0), heads = out.size(1), n = out.size(2), d = out.size(3);
   int64_t window = 0;
   const float* w = nullptr;
@@ -112,6 +124,8 @@ void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::opti
   const uint16_t* vp16 = bf16 ? reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()) : nullptr;
   const int64_t os[3] = {out.stride(0), out.stride(1), out.stride(2)};
   const int64_t vs[3] = {v.stride(0), v.stride(1), v.stride(2)};
+  uint16_t* o16 = out16.has_value() ? reinterpret_cast<uint16_t*>(out16->data_ptr<at::BFloat16>()) : nullptr;
+  const int64_t os16[3] = {o16 ? out16->stride(0) : 0, o16 ? out16->stride(1) : 0, o16 ? out16->stride(2) : 0};
   const int64_t blocks = (n + kRowsPerTask - 1) / kRowsPerTask;
   const float feps = float(eps);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (kRowsPerTask * d * (window + 2)));
@@ -134,6 +148,9 @@ void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::opti
           rows.v = wide.data();
         }
         finish_rows(rows, i0, i1, normalize, feps, acc.data());
+        if (o16 != nullptr)  // the rows just finished, still in cache
+          for (int64_t i = i0; i < i1; ++i)
+            narrow_row(rows.out + i * rows.ldo, d, o16 + b * os16[0] + h * os16[1] + i * os16[2]);
       }
     });
   });
@@ -144,7 +161,9 @@ void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::opti
 void register_finish_ops(pybind11::module_& m) {
   m.def("attention_finish", &attention_finish,
         "(out (B, H, N, D) fp32 view, v the same shape fp32 or bf16, weight (H, W) fp32 or None, keep (B, N) bool "
-        "or None, normalize, eps) "
-        "-> None: out rows l2-normalised (N-YOSO) then the masked values' depthwise convolution added (YOSO-C)",
-        py::arg("out"), py::arg("v"), py::arg("weight"), py::arg("keep"), py::arg("normalize"), py::arg("eps"));
+        "or None, normalize, eps, out16 bf16 like out or None) "
+        "-> None: out rows l2-normalised (N-YOSO) then the masked values' depthwise convolution added (YOSO-C); "
+        "out16: the rows also written there in bf16",
+        py::arg("out"), py::arg("v"), py::arg("weight"), py::arg("keep"), py::arg("normalize"), py::arg("eps"),
+        py::arg("out16") = py::none());
 }

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "yoso_check.h"
+#include "yoso_cpu_simd.h"  // bf16_bits
 
 namespace {
 
@@ -130,13 +131,7 @@ void dequantize_block(const int32_t* __restrict acc, const float* __restrict sca
   }
 }
 
-// fp32 -> bf16 bits, rounded to nearest with ties to even as c10::BFloat16 does (a NaN becomes its quiet NaN).
-inline uint16_t bf16_bits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return f != f ? uint16_t(0x7FC0) : uint16_t(rounded);
-}
+using yoso::simd::bf16_bits;
 
 YOSO_SIMD_CLONES
 void to_bf16(const float* __restrict x, int64_t n, uint16_t* __restrict out) {

@@ -66,6 +66,14 @@ inline void widen_bf16(const uint16_t* x, int64_t count, float* to) {
   }
 }
 
+// fp32 -> bf16 bits, rounded to nearest with ties to even as c10::BFloat16 does (a NaN becomes its quiet NaN).
+inline uint16_t bf16_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t(0x7FC0) : uint16_t(rounded);
+}
+
 // Which bodies run: "avx2" or "portable" (YOSO_CPU_PORTABLE=1 in the environment forces the latter).
 const char* level();
 

@@ -53,9 +53,8 @@ class YosoAttentionCore(AttentionCore):
                                      out_dtype=torch.float32)
         # N-YOSO: the cumulation is not divided by its expected count; unit norm per head instead.
         # The sum stays fp32 until it is normalised: in fp16 it overflows at a few thousand tokens.
-        out = attention_finish(context, v, None if conv is None else conv.weight, key_mask,
-                               backend=self.backend)  # (B, H, N, D)
-        return out.to(v.dtype)
+        return attention_finish(context, v, None if conv is None else conv.weight, key_mask, backend=self.backend,
+                                out_dtype=v.dtype)  # (B, H, N, D)
 
     def reads_bf16(self) -> bool:
         """Whether bf16 q, k, v give the results of their exact fp32 values: the op widens them (the C++ kernels

@@ -132,11 +132,46 @@ def test_bf16_values_give_the_bits_of_their_fp32_copies(b, h, n, d, window):
         assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("b,h,n,d,window,strided", [(2, 3, 130, 32, 9, True), (1, 2, 70, 64, 33, False),
+                                                     (2, 2, 5, 7, 3, True)])
+def test_bf16_output_is_the_fp32_result_rounded(b, h, n, d, window, strided, monkeypatch):
+    """out_dtype bf16 (what the YOSO core asks for when its values are bf16): the same pass writes each finished
+    row rounded as .bfloat16() rounds it, ties to even included, in the fp32 result's layout."""
+    ext_or_skip()
+    ctx, v, weight = inputs(b, h, n, d, window, strided=strided)
+    v16 = v.bfloat16()
+    keep = torch.arange(n)[None, :] < torch.tensor([n, max(1, n // 3)][:b])[:, None]
+    # a few context rows whose finished values land on bf16 ties: no conv, rows already of unit norm
+    with torch.inference_mode():
+        want = attention_finish(ctx.clone(), v16, weight, keep)
+        monkeypatch.setattr(finish, "attention_finish_ref", None)  # the C++ pass must not fall back
+        got = attention_finish(ctx.clone(), v16, weight, keep, out_dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and got.stride() == want.stride()
+        assert torch.equal(got.view(torch.int16), want.bfloat16().view(torch.int16))
+        tie = torch.zeros(1, 1, 3, 4)
+        tie[..., 0] = 1.0
+        tie[0, 0, 1, :2] = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8])  # halfway: rounds to even
+        tie[0, 0, 2, :2] = torch.tensor([-(1.0 + 2.0 ** -8), 2.0 ** -130])  # negative tie, a subnormal
+        plain = attention_finish(tie.clone(), tie.bfloat16(), None, None, normalize=False)
+        rounded = attention_finish(tie.clone(), tie.bfloat16(), None, None, normalize=False, out_dtype=torch.bfloat16)
+        assert torch.equal(rounded.view(torch.int16), plain.bfloat16().view(torch.int16))
+
+
+def test_bf16_output_on_the_reference_path():
+    ctx, v, weight = inputs(1, 2, 8, 4, 3)
+    with torch.inference_mode():
+        out = attention_finish(ctx.clone(), v, weight, None, backend="torch", out_dtype=torch.bfloat16)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, attention_finish_ref(ctx, v, weight, None).bfloat16())
+
+
 def test_bad_arguments_name_the_limit():
     ext = ext_or_skip()
     ctx, v, weight = inputs(1, 2, 8, 4, 3)
     with pytest.raises(RuntimeError, match="odd"):
         ext.attention_finish(ctx.clone(), v, torch.zeros(2, 4), None, True, 1e-12)
+    with pytest.raises(RuntimeError, match="out16 must have out's shape"):
+        ext.attention_finish(ctx.clone(), v, None, None, True, 1e-12, torch.zeros(1, 2, 7, 4, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="keep must be"):
         ext.attention_finish(ctx.clone(), v, None, torch.ones(1, 7, dtype=torch.bool), True, 1e-12)
     with pytest.raises(RuntimeError, match="v must have out's shape"):
