@@ -42,41 +42,27 @@ namespace {
 
 constexpr float kMinAbsMax = 1e-12f;
 
-// exp(y) for y <= 0 in operations a compiler vectorises (no libm call): y = k ln2 + r, |r| <= ln2 / 2, a degree-6
-// Taylor polynomial of e^r (relative error below 2e-7 there), times 2^k built in the exponent bits.
-inline float exp_nonpositive(float y) {
-  y = std::max(y, -87.f);
-  const float k = std::nearbyint(y * 1.44269504f);
-  const float r = (y - k * 0.693145752f) - k * 1.42860677e-6f;  // ln2 in two parts: r keeps its low bits
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  int32_t bits;
-  const int32_t e = (static_cast<int32_t>(k) + 127) << 23;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += e - (127 << 23);
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
-
-// GELU, x * Phi(x) = x (1 + erf(x / sqrt 2)) / 2, with erf from Abramowitz and Stegun 7.1.26 (absolute error
-// below 1.5e-7): within about 1e-7 |x| of aten's exact GELU, far inside the int8 product's own error.
+// GELU, x * Phi(x) = x (1 + erf(x / sqrt 2)) / 2, with erf(x / sqrt 2) = a P(a^2) / Q(a^2), a = x clamped to
+// +-5.5861435 (past it erf is +-1 in fp32): a rational fitted to erf on [0, 3.95] (Lawson-weighted least squares in
+// fp64, absolute error below 1e-8 before rounding), 11 multiply-adds and one division, where the exp-based
+// formula before it took twice the instructions. Within 2e-7 max(|x|, 1) of aten's exact GELU.
 inline float gelu_erf(float x) {
-  const float z = std::fabs(x) * 0.70710678f;
-  const float t = 1.f / (1.f + 0.3275911f * z);
-  float poly = 1.061405429f;
-  poly = poly * t - 1.453152027f;
-  poly = poly * t + 1.421413741f;
-  poly = poly * t - 0.284496736f;
-  poly = poly * t + 0.254829592f;
-  const float erf_abs = 1.f - poly * t * exp_nonpositive(-z * z);
-  const float erf = x < 0.f ? -erf_abs : erf_abs;
-  return 0.5f * x * (1.f + erf);
+  const float a = std::min(std::max(x, -5.5861435f), 5.5861435f), s = a * a;
+  float p = -1.305833358e-10f;
+  p = p * s + 9.777874510e-08f;
+  p = p * s + 1.633065585e-05f;
+  p = p * s + 3.361447016e-04f;
+  p = p * s + 9.552542120e-03f;
+  p = p * s + 6.532761455e-02f;
+  p = p * s + 7.978845835e-01f;
+  float q = 1.895296919e-06f;
+  q = q * s + 8.028253797e-05f;
+  q = q * s + 1.916736364e-03f;
+  q = q * s + 2.839599550e-02f;
+  q = q * s + 2.485427409e-01f;
+  q = q * s + 1.f;
+  const float h = 0.5f * x;
+  return h + h * (a * p / q);
 }
 
 // Rows [r0, r1) of x (K columns): smoothed into buf (when smooth is given), then quantized.
