@@ -167,6 +167,12 @@ def cpu_extension() -> ModuleType | None:
         return _module
 
 
+def loaded_cpu_extension() -> ModuleType | None:
+    """The C++ module if an earlier :func:`cpu_extension` call has loaded it, else None: never builds (for
+    helpers, such as input checks, that should not be what triggers a compilation)."""
+    return _module if _resolved else None
+
+
 def cpu_kernels_built() -> bool:
     """Whether the C++ CPU kernels are in use (built, or taken from the cache; not forced off)."""
     return cpu_extension() is not None

@@ -245,6 +245,33 @@ def test_finite_values_whose_sum_overflows_are_accepted():
     yoso_attention(q, q, q, backend="torch", num_hashes=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_finiteness_check_reads_exactly_the_view(dtype):
+    """all_finite (the check once the C++ module is loaded) flags NaN, inf and -inf anywhere in a strided
+    (B, H, N, D) view, such as q sliced out of a fused (B, N, 3, H, D) projection, and nothing outside it; finite
+    extremes (a sum that would overflow, subnormals) pass."""
+    ext = _build.cpu_extension()
+    if ext is None:
+        pytest.skip("C++ extension not built")
+    qkv = torch.randn(2, 70, 3, 5, 32).to(dtype)
+    view = lambda t, i: t[:, :, i].transpose(1, 2)  # noqa: E731
+    qkv[:, :, 1] = float("nan")  # k: all NaN; q and v beside it stay finite
+    assert ext.all_finite(view(qkv, 0)) and ext.all_finite(view(qkv, 2)) and not ext.all_finite(view(qkv, 1))
+    for where in [(0, 0, 0, 0), (1, 69, 4, 31), (1, 33, 2, 17)]:
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            x = qkv.clone()
+            x[(where[0], where[1], 0, where[2], where[3])] = bad
+            assert not ext.all_finite(view(x, 0)), (where, bad)
+            assert ext.all_finite(view(x, 2))
+    big = torch.full((1, 2, 4, 8), 3e38).to(dtype)
+    tiny = torch.full((1, 2, 4, 8), 1e-40).to(dtype)
+    assert ext.all_finite(big) and ext.all_finite(tiny) and ext.all_finite(big[:, :, :0])
+    q = view(qkv, 0).clone()
+    q[0, 1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="q contains NaN or inf"):
+        yoso_attention(q, view(qkv, 0), view(qkv, 2), num_hashes=2)
+
+
 @pytest.mark.parametrize("fn", [yoso_attention, yoso_attention_ref])
 @pytest.mark.parametrize(("args", "kwargs", "message"), _bad_cases())
 def test_bad_input_is_a_value_error(fn, args, kwargs, message):
