@@ -1,8 +1,9 @@
 """Where one forward's time goes: the bundled model on random token ids at the served default (``hashes=auto``),
 each part timed around its own calls, in the dense dtypes asked for. The parts: the GEMMs (``torch._int_mm`` in
 int8, oneDNN's linear in bf16 and fp32), the attention core (YOSO with its norm and convolution), the C++ passes
-around the GEMMs (quantizing inputs per row; scaling int32 sums back, with FFN in's GELU and quantizing for FFN out
-in one pass; summing bf16 K-block parts), LayerNorm, and the rest (Python, views, embeddings, pooling).
+around the GEMMs (quantizing inputs per row; scaling int32 sums back, with the blocks' output LayerNorms in int8;
+FFN in's GELU and quantizing for FFN out in one pass; summing bf16 K-block parts), LayerNorm (in int8 only the
+embeddings'), and the rest (Python, views, embeddings, pooling).
 The medians of ``--repeats`` forwards, after two to warm up, with the server's heap settings (service/heap.py);
 prints a markdown table and writes a stacked-bar plot (docs/img/forward_parts.png).
 
@@ -34,7 +35,7 @@ from yoso_serve.service.heap import retain_freed_memory  # noqa: E402
 DOC_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 # part label → the C++ passes it names (the extension's functions)
 PASSES = {"inputs quantized per row": ("quantize_rows",),
-          "sums scaled back (bias, residual)": ("dequantize_rows",),
+          "sums scaled back (bias, residual, int8: LayerNorm)": ("dequantize_rows",),
           "FFN in scaled back, GELU, quantized for FFN out": ("requantize_rows",),
           "bf16 K-block parts summed": ("sum_parts",)}
 

@@ -76,11 +76,12 @@ def captured_inputs(model, short) -> dict[linear.Linear, torch.Tensor]:
     seen = {}
     for m in model.modules():
         if isinstance(m, linear.Linear):
-            def record(x, start=None, gelu=False, m=m):
+            def record(x, start=None, gelu=False, norm=None, m=m):
                 seen[m] = x.reshape(-1, x.shape[-1]).float().clone()
                 out = F.linear(x.float(), m.weight, m.bias)
                 out = out if start is None else out + start
-                return F.gelu(out) if gelu else out
+                out = F.gelu(out) if gelu else out
+                return out if norm is None else F.layer_norm(out, out.shape[-1:], norm.weight, norm.bias, norm.eps)
             m._int8, m.int8 = record, True
     # Q, K, V one by one, and FFN in and out each through its own _int8 (not the fused int8 feed-forward)
     fused = encoder.project, encoder.int8_feed_forward

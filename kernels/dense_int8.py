@@ -20,6 +20,22 @@ import torch.nn.functional as F
 MIN_ABS_MAX = 1e-12
 
 
+class LayerNormArgs(NamedTuple):
+    """A LayerNorm applied to an int8 layer's result in the pass that scales its sums back: ``weight`` (out,),
+    ``bias`` (out,) or None, ``eps``, as ``nn.LayerNorm``'s (:meth:`of` reads them off one)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    eps: float
+
+    @classmethod
+    def of(cls, norm: torch.nn.LayerNorm) -> LayerNormArgs | None:
+        """``norm``'s arguments, or None where it does not fuse (no weight, more than the last dimension)."""
+        if norm.weight is None or len(norm.normalized_shape) != 1:
+            return None
+        return cls(norm.weight, norm.bias, float(norm.eps))
+
+
 class Int8Rows(NamedTuple):
     """An int8 layer's input already quantized per row (:func:`int8_linear_rows`): q (R, K) int8 and scale (R, 1)
     fp32 as :func:`int8_rows` gives them, for an input of ``shape`` (..., K)."""
@@ -59,17 +75,21 @@ def _scaled_back(acc: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Ten
 
 def int8_linear_ref(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                     *, smooth: torch.Tensor | None = None, start: torch.Tensor | None = None,
-                    gelu: bool = False, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    gelu: bool = False, norm: LayerNormArgs | None = None,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x (..., in) fp32 → (..., out) fp32 ≈ ``F.linear(x, W, bias) + start``, where ``weight_q`` (out, in) int8 and
     ``weight_scale`` (out,) hold ``W · smooth`` quantized per output channel: the rows of ``x / smooth`` are
     quantized each on its own (scale max|row| / 127, round half to even), multiplied in int32, and scaled back;
-    ``gelu``: then GELU (erf form); ``out_dtype`` bf16: that fp32 result rounded to bf16."""
+    ``gelu``: then GELU (erf form); ``norm``: then that LayerNorm; ``out_dtype`` bf16: that fp32 result rounded
+    to bf16."""
     _check(x, weight_q, weight_scale)
     rows = x.reshape(-1, x.shape[-1]).float()
     if smooth is not None:
         rows = rows / smooth
     q, scale = int8_rows(rows)
     out = _scaled_back(torch._int_mm(q, weight_q.t()), scale, weight_scale, bias, start, gelu)
+    if norm is not None:
+        out = F.layer_norm(out, (out.shape[-1],), _vector(norm.weight), _vector(norm.bias), norm.eps)
     return out.to(_out_dtype(out_dtype)).view(*x.shape[:-1], weight_q.shape[0])
 
 
@@ -107,12 +127,15 @@ def _extension(x: torch.Tensor, start: torch.Tensor | None, backend: str):
 
 def int8_linear(x: torch.Tensor | Int8Rows, weight_q: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None, *, smooth: torch.Tensor | None = None, start: torch.Tensor | None = None,
-                gelu: bool = False, out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
+                gelu: bool = False, norm: LayerNormArgs | None = None, out_dtype: torch.dtype = torch.float32,
+                backend: str = "auto") -> torch.Tensor:
     """:func:`int8_linear_ref`'s result, bit for bit without ``gelu``; the passes around the GEMM in C++ on CPU (fp32
     ``x``, the extension built, ``backend`` not "torch"). ``gelu`` there is fused into the last pass, within about
     2e-7 · max(|x|, 1) of aten's (erf by a fitted rational, yoso_cpu_quant.cpp): the same bits on every run
     and at any row count, not aten's bits. ``x`` may come quantized (:class:`Int8Rows`; no smoothing then).
-    ``out_dtype`` bf16: the fp32 result rounded to bf16 in the last pass (half the bytes written)."""
+    ``norm`` (the layer's LayerNorm, :class:`LayerNormArgs`) is applied in that pass too, as ``nn.LayerNorm``
+    computes it but not its bits (within a few 1e-7; a row's bits at any row count). ``out_dtype`` bf16: the fp32
+    result rounded to bf16 in the last pass (half the bytes written)."""
     _out_dtype(out_dtype)
     if isinstance(x, Int8Rows):
         if smooth is not None:
@@ -124,12 +147,18 @@ def int8_linear(x: torch.Tensor | Int8Rows, weight_q: torch.Tensor, weight_scale
         ext = _extension(x, start, backend)
         if ext is None:
             return int8_linear_ref(x, weight_q, weight_scale, _vector(bias), smooth=smooth, start=start, gelu=gelu,
-                                   out_dtype=out_dtype)
+                                   norm=norm, out_dtype=out_dtype)
         acc, scale = _sums(ext, x, weight_q, weight_scale, smooth)
     start = None if start is None else start.reshape(acc.shape).contiguous()
-    out = (_scaled_back(acc, scale, weight_scale, _vector(bias), start, gelu).to(out_dtype) if ext is None
-           else ext.dequantize_rows(acc, scale, _vector(weight_scale), _vector(bias), start, gelu,
-                                    out_dtype == torch.bfloat16))
+    if ext is None:
+        out = _scaled_back(acc, scale, weight_scale, _vector(bias), start, gelu)
+        if norm is not None:
+            out = F.layer_norm(out, (out.shape[-1],), _vector(norm.weight), _vector(norm.bias), norm.eps)
+        out = out.to(out_dtype)
+    else:
+        nw, nb, eps = (None, None, 1e-12) if norm is None else (_vector(norm.weight), _vector(norm.bias), norm.eps)
+        out = ext.dequantize_rows(acc, scale, _vector(weight_scale), _vector(bias), start, gelu,
+                                  out_dtype == torch.bfloat16, nw, nb, eps)
     return out.view(*x.shape[:-1], weight_q.shape[0])
 
 

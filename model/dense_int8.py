@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from yoso_serve.kernels import int8_linear, int8_linear_rows, int8_rows
+from yoso_serve.kernels import LayerNormArgs, int8_linear, int8_linear_rows, int8_rows
 
 SMOOTH_ALPHA = 0.5  # how much of a channel's range moves into the weights (SmoothQuant's α)
 CALIBRATION = (16, 64, 0)  # texts, tokens each, seed of the random tokens the ranges are read from
@@ -145,4 +145,6 @@ def int8_feed_forward(intermediate: nn.Module, output: nn.Module, x: torch.Tenso
     rows = int8_linear_rows(x, *int8_weights(inner), inner.bias, smooth=inner.int8_smooth, gelu=True)
     if rows is None:
         return None
-    return output.LayerNorm(int8_linear(rows, *int8_weights(outer), outer.bias, start=x))
+    norm = LayerNormArgs.of(output.LayerNorm)  # applied as the sums are scaled back
+    out = int8_linear(rows, *int8_weights(outer), outer.bias, start=x, norm=norm)
+    return out if norm is not None else output.LayerNorm(out)

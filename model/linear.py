@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from yoso_serve.kernels import sum_parts
+from yoso_serve.kernels import LayerNormArgs, sum_parts
 
 from .dense_int8 import int8_linear, int8_weights, smooth_int8
 
@@ -108,11 +108,12 @@ class Linear(nn.Linear):
             self._bf16_key = key
         return x.bfloat16(), *self._bf16
 
-    def _int8(self, x: torch.Tensor, start: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
+    def _int8(self, x: torch.Tensor, start: torch.Tensor | None = None, gelu: bool = False,
+              norm: LayerNormArgs | None = None) -> torch.Tensor:
         """The int8 product, weights quantized again whenever they or the smoothing vector changed."""
         weight_q, weight_scale = int8_weights(self)
         return int8_linear(x.float(), weight_q, weight_scale, self.bias, smooth=self.int8_smooth, start=start,
-                           gelu=gelu)
+                           gelu=gelu, norm=norm)
 
     def _gemm(self, x: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
         """``self(x)`` on oneDNN, fp32 out, plus ``start`` (fp32) if given: one GEMM, or in bf16 over a K longer
@@ -147,13 +148,21 @@ class Linear(nn.Linear):
             return ONEDNN_LINEAR(*self._operands(x), attr, [], algorithm)
         return act(self(x))
 
-    def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """``self(x) + other`` (``other`` shaped like the output; fp32 out)."""
-        if self._fast(x) and other.shape == (*x.shape[:-1], self.out_features) and other.dtype == torch.float32:
-            if self.bf16 or self.int8:  # the residual stream stays fp32: only the GEMM's output is rounded
-                return self._gemm(x, start=other)
-            return ONEDNN_LINEAR.binary(x, other, self.weight, self.bias, "add")
-        return F.linear(x, self.weight, self.bias) + other
+    def plus(self, x: torch.Tensor, other: torch.Tensor, norm: nn.LayerNorm | None = None) -> torch.Tensor:
+        """``self(x) + other`` (``other`` shaped like the output; fp32 out), through ``norm`` if given (in int8 in
+        the pass that scales the sums back: :func:`yoso_serve.kernels.int8_linear`)."""
+        fast = self._fast(x) and other.shape == (*x.shape[:-1], self.out_features) and other.dtype == torch.float32
+        grads = norm is not None and torch.is_grad_enabled() and any(p.requires_grad for p in norm.parameters())
+        args = None if norm is None or grads else LayerNormArgs.of(norm)
+        if fast and self.int8 and args is not None:
+            return self._int8(x, start=other, norm=args)
+        if fast and (self.bf16 or self.int8):  # the residual stream stays fp32: only the GEMM's output is rounded
+            out = self._gemm(x, start=other)
+        elif fast:
+            out = ONEDNN_LINEAR.binary(x, other, self.weight, self.bias, "add")
+        else:
+            out = F.linear(x, self.weight, self.bias) + other
+        return out if norm is None else norm(out)
 
 
 DENSE_DTYPES = ("fp32", "bf16", "int8")

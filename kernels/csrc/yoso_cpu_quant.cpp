@@ -5,6 +5,7 @@
 //     y = x / smooth (per channel, if given); scale = max(max|y|, 1e-12) / 127; q = clamp(round(y / scale), +-127)
 //   dequantize_rows(acc (R, N) int32, scale (R, 1), col_scale (N), bias (N) or None, start (R, N) or None)
 //     -> (R, N) fp32 = float(acc) * scale * col_scale + bias + start, in that order; gelu=True: then GELU;
+//     then LayerNorm (norm_weight, norm_bias, eps) if asked: the output sub-block's norm in the same pass;
 //     bf16=True: that fp32 result rounded to bf16 (nearest, ties to even, as torch's .bfloat16())
 //   requantize_rows(acc, scale, col_scale, bias or None, gelu) -> [q, scale]: the two above in one pass (an int8
 //     layer's output straight into the next int8 layer's input)
@@ -117,6 +118,33 @@ void dequantize_block(const int32_t* __restrict acc, const float* __restrict sca
   }
 }
 
+// nn.LayerNorm of rows [r0, r1) of x (N columns) in place: (x - mean) / sqrt(var + eps) * weight + bias (bias may
+// be null), mean and biased variance over the row, two passes over it while it is in cache. Sums are vector
+// partial sums in one fixed order, so a row's bits do not depend on the other rows; they are not aten's bits
+// (within a few 1e-7 of them).
+YOSO_SIMD_CLONES
+void layer_norm_block(float* __restrict x, int64_t r0, int64_t r1, int64_t n, const float* __restrict weight,
+                      const float* __restrict bias, float eps) {
+  for (int64_t r = r0; r < r1; ++r) {
+    float* __restrict o = x + r * n;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t c = 0; c < n; ++c) sum += o[c];
+    const float mean = sum / float(n);
+    float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t c = 0; c < n; ++c) sq += (o[c] - mean) * (o[c] - mean);
+    const float rstd = 1.f / std::sqrt(sq / float(n) + eps);
+    if (bias != nullptr) {
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) o[c] = (o[c] - mean) * rstd * weight[c] + bias[c];
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) o[c] = (o[c] - mean) * rstd * weight[c];
+    }
+  }
+}
+
 using yoso::simd::bf16_bits;
 
 YOSO_SIMD_CLONES
@@ -159,6 +187,14 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::opti
   return {q, scale};
 }
 
+// A LayerNorm's weight or bias (N,) fp32, checked, or null.
+const float* norm_vector(const c10::optional<torch::Tensor>& t, const char* name, int64_t n) {
+  if (!t.has_value()) return nullptr;
+  check_tensor(*t, name, at::kFloat, 1);
+  YOSO_CHECK(t->size(0) == n, name, " must be (N,) = (", n, ",), got ", t->sizes());
+  return t->data_ptr<float>();
+}
+
 // The int32 sums of a GEMM (R, N), their row scales (R, 1), column scales (N) and bias (N) checked; the bias or null.
 const float* check_sums(const torch::Tensor& acc, const torch::Tensor& scale, const torch::Tensor& col_scale,
                         const c10::optional<torch::Tensor>& bias) {
@@ -177,10 +213,16 @@ const float* check_sums(const torch::Tensor& acc, const torch::Tensor& scale, co
 
 torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& scale, const torch::Tensor& col_scale,
                               const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& start,
-                              bool gelu, bool bf16) {
+                              bool gelu, bool bf16, const c10::optional<torch::Tensor>& norm_weight,
+                              const c10::optional<torch::Tensor>& norm_bias, double eps) {
   const float* bp = check_sums(acc, scale, col_scale, bias);
   const int64_t rows = acc.size(0), n = acc.size(1);
   const float* stp = start_rows(start, rows, n);
+  const float* nw = norm_vector(norm_weight, "norm_weight", n);
+  const float* nb = norm_vector(norm_bias, "norm_bias", n);
+  YOSO_CHECK(nb == nullptr || nw != nullptr, "norm_bias needs norm_weight");
+  YOSO_CHECK(eps > 0, "eps must be positive, got ", eps);
+  const float feps = float(eps);
   torch::Tensor out = torch::empty({rows, n}, scale.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   if (rows == 0 || n == 0) return out;
   const int32_t* ap = acc.data_ptr<int32_t>();
@@ -190,6 +232,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& sca
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
       if (!bf16) {
         dequantize_block(ap, sp, cp, bp, stp, out.data_ptr<float>(), r0, r1, n, gelu);
+        if (nw != nullptr) layer_norm_block(out.data_ptr<float>(), r0, r1, n, nw, nb, feps);
         return;
       }
       // each row in fp32 into a buffer the thread reuses, then rounded: half the bytes written
@@ -198,6 +241,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& sca
       for (int64_t r = r0; r < r1; ++r) {
         dequantize_block(ap + r * n, sp + r, cp, bp, stp == nullptr ? nullptr : stp + r * n, buf.data(), 0, 1, n,
                          gelu);
+        if (nw != nullptr) layer_norm_block(buf.data(), 0, 1, n, nw, nb, feps);
         to_bf16(buf.data(), n, op + r * n);
       }
     });
@@ -318,10 +362,12 @@ void register_quant_ops(pybind11::module_& m) {
         py::arg("x"), py::arg("smooth"));
   m.def("dequantize_rows", &dequantize_rows,
         "(acc (R, N) int32, scale (R, 1) fp32, col_scale (N,) fp32, bias (N,) or None, start (R, N) fp32 or None, "
-        "gelu=False, bf16=False) -> (R, N) fp32 = acc * scale * col_scale + bias + start, then GELU (erf form, ~1e-7 "
-        "off aten's); bf16: that result rounded to bf16 (nearest, ties to even)",
+        "gelu=False, bf16=False, norm_weight=None, norm_bias=None, eps=1e-12) -> (R, N) fp32 = acc * scale * "
+        "col_scale + bias + start, then GELU (erf form, ~1e-7 off aten's), then LayerNorm(norm_weight, norm_bias, "
+        "eps) if norm_weight is given; bf16: that result rounded to bf16 (nearest, ties to even)",
         py::arg("acc"), py::arg("scale"), py::arg("col_scale"), py::arg("bias"), py::arg("start"),
-        py::arg("gelu") = false, py::arg("bf16") = false);
+        py::arg("gelu") = false, py::arg("bf16") = false, py::arg("norm_weight") = py::none(),
+        py::arg("norm_bias") = py::none(), py::arg("eps") = 1e-12);
   m.def("requantize_rows", &requantize_rows,
         "(acc (R, N) int32, scale (R, 1) fp32, col_scale (N,) fp32, bias (N,) or None, gelu=False) -> [q (R, N) int8, "
         "scale (R, 1) fp32]: quantize_rows(dequantize_rows(acc, scale, col_scale, bias, None, gelu), None), the same "

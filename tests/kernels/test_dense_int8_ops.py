@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from yoso_serve.kernels import Int8Rows, int8_linear, int8_linear_ref, int8_linear_rows
+from yoso_serve.kernels import Int8Rows, LayerNormArgs, int8_linear, int8_linear_ref, int8_linear_rows
 
 
 def weights(n, k, seed=0):
@@ -172,3 +172,43 @@ def test_a_layer_fed_int8_rows_gives_the_bits_of_the_two_layers_one_after_the_ot
     with pytest.raises(ValueError, match="weight's in = 384"):
         int8_linear(rows, w1, s1, b1)
     assert int8_linear_rows(x.double(), w1, s1, b1) is None  # no C++ pass for it: the caller goes the long way
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_layer_norm_in_the_scale_back_pass(ext, with_bias):
+    """dequantize_rows with a LayerNorm's weight (and bias): nn.LayerNorm of the plain result to within float
+    rounding, a row's bits at any row count, bf16 out as the fp32 result rounded; int8_linear's ``norm`` on both
+    paths; bad arguments name the limit."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 150, 384, generator=gen)
+    x[..., 11] *= 15
+    start = torch.randn(2, 150, 384, generator=gen) * 4
+    w, w_scale, bias = weights(384, 384, seed=3)
+    nw, nb = torch.rand(384, generator=gen) + 0.5, (torch.randn(384, generator=gen) if with_bias else None)
+    q, scale = ext.quantize_rows(x.reshape(-1, 384), None)
+    acc, st = torch._int_mm(q, w.t()), start.reshape(-1, 384)
+    plain = ext.dequantize_rows(acc, scale, w_scale, bias, st, False, False)
+    normed = ext.dequantize_rows(acc, scale, w_scale, bias, st, False, False, nw, nb, 1e-12)
+    want = torch.nn.functional.layer_norm(plain.double(), (384,), nw.double(), None if nb is None else nb.double(),
+                                          1e-12)
+    assert (normed.double() - want).abs().max() < 4e-6
+    for rows in (1, 77):
+        part = ext.dequantize_rows(acc[:rows].contiguous(), scale[:rows].contiguous(), w_scale, bias,
+                                   st[:rows].contiguous(), False, False, nw, nb, 1e-12)
+        assert torch.equal(part, normed[:rows])
+    as_bf16 = ext.dequantize_rows(acc, scale, w_scale, bias, st, False, True, nw, nb, 1e-12)
+    assert torch.equal(as_bf16.view(torch.int16), normed.bfloat16().view(torch.int16))
+    args = LayerNormArgs(nw, nb, 1e-12)
+    fused = int8_linear(x, w, w_scale, bias, start=start, norm=args)
+    assert fused.shape == (2, 150, 384) and torch.equal(fused.reshape(-1, 384), normed)
+    torch.testing.assert_close(fused, int8_linear_ref(x, w, w_scale, bias, start=start, norm=args),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(int8_linear(x, w, w_scale, bias, start=start, norm=args, backend="torch"), fused,
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match=r"norm_weight must be \(N,\) = \(384,\)"):
+        ext.dequantize_rows(acc, scale, w_scale, bias, st, False, False, nw[:9].contiguous(), None, 1e-12)
+    with pytest.raises(RuntimeError, match="norm_bias needs norm_weight"):
+        ext.dequantize_rows(acc, scale, w_scale, bias, st, False, False, None, nw, 1e-12)
+    with pytest.raises(RuntimeError, match="eps must be positive"):
+        ext.dequantize_rows(acc, scale, w_scale, bias, st, False, False, nw, nb, 0.0)
+    assert LayerNormArgs.of(torch.nn.LayerNorm(384, elementwise_affine=False)) is None

@@ -226,3 +226,31 @@ def test_int8_q_k_v_reach_the_yoso_core_in_bf16_and_a_text_keeps_its_bits_in_any
     assert all(torch.equal(batch[h], alone[h]) for h in (0, 8))
     # exact mode: bf16's rounding alone (hashed, a q or k row that rounding moves across a plane takes other keys)
     assert torch.nn.functional.cosine_similarity(batch[0], wide[0]).min() > 0.999
+
+
+def test_int8_output_norms_run_in_the_scale_back_pass_and_a_text_keeps_its_bits_in_any_batch(monkeypatch):
+    """In int8 each block's two output LayerNorms are applied as the sums are scaled back (no nn.LayerNorm call but
+    the embeddings'); the vectors stay where the separate norms put them, and a text keeps its bits alone or padded
+    in a batch, exact and hashed."""
+    from yoso_serve.kernels import LayerNormArgs, cpu_kernels_built
+
+    if not cpu_kernels_built():
+        pytest.skip("needs the C++ extension")
+    model = load_pretrained(default_model_dir())
+    linear.set_dense_dtype(model, "int8")
+    norms = []
+    real_forward = torch.nn.LayerNorm.forward
+    monkeypatch.setattr(torch.nn.LayerNorm, "forward", lambda self, x: norms.append(1) or real_forward(self, x))
+    ids = torch.randint(1000, 20000, (3, 120), generator=torch.Generator().manual_seed(2))
+    lengths = [120, 64, 9]
+    mask = (torch.arange(120)[None, :] < torch.tensor(lengths)[:, None]).long()
+    with torch.inference_mode():
+        fused = {h: model.embed(ids, mask, hashes=h) for h in (0, 8)}
+        assert len(norms) == 2  # the embeddings' norm, once a forward
+        alone = {h: torch.cat([model.embed(ids[i:i + 1, :n], mask[i:i + 1, :n], hashes=h) for i, n in
+                               enumerate(lengths)]) for h in (0, 8)}
+        monkeypatch.setattr(LayerNormArgs, "of", classmethod(lambda cls, norm: None))  # the norms apart
+        apart = model.embed(ids, mask, hashes=0)
+    assert all(torch.equal(fused[h], alone[h]) for h in (0, 8))
+    # exact mode: the norms' last bits, through int8 rounding (a value that lands on a step boundary moves a step)
+    assert torch.nn.functional.cosine_similarity(fused[0], apart).min() > 0.999
