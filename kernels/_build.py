@@ -39,6 +39,8 @@ from types import ModuleType
 
 import torch
 
+from . import _loaded
+
 __all__ = ["BACKEND_ENV", "BUILD_TIMEOUT_ENV", "backend_info", "cpu_extension", "find_cuda_toolkit"]
 
 BACKEND_ENV = "YOSO_KERNEL_BACKEND"
@@ -160,17 +162,12 @@ def cpu_extension() -> ModuleType | None:
             if policy == "cpp":
                 reason = f"{BACKEND_ENV}=cpp requested; {reason}"
         _module, _reason = module, reason
+        _loaded.cpu_module = module
         _resolved = True
         backend = "cpp" if module is not None else "torch"
         log = logger.info if module is not None or policy == "torch" else logger.warning
         log("yoso_serve.kernels backend: %s (%s)", backend, reason)
         return _module
-
-
-def loaded_cpu_extension() -> ModuleType | None:
-    """The C++ module if an earlier :func:`cpu_extension` call has loaded it, else None: never builds (for
-    helpers, such as input checks, that should not be what triggers a compilation)."""
-    return _module if _resolved else None
 
 
 def cpu_kernels_built() -> bool:

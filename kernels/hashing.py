@@ -41,7 +41,7 @@ import hashlib
 
 import torch
 
-from ._build import loaded_cpu_extension
+from ._loaded import loaded_cpu_extension
 
 MAX_HASH_BITS = 16
 # int8 hashing sums D products of |x8|, |w| <= 127 in fp32 (PyTorch and the C++ fallbacks): exact below 2^24.
