@@ -63,14 +63,18 @@ def int8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _scaled_back(acc: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 start: torch.Tensor | None, gelu: bool) -> torch.Tensor:
-    """int32 sums (R, out) → fp32: times the row and column scales, plus bias and start, then GELU if asked."""
+                 start: torch.Tensor | None, gelu: bool, norm: LayerNormArgs | None = None) -> torch.Tensor:
+    """int32 sums (R, out) → fp32: times the row and column scales, plus bias and start, then GELU if asked, then
+    ``norm``'s LayerNorm if given."""
     out = acc.float().mul_(scale).mul_(weight_scale)
     if bias is not None:
         out.add_(bias)
     if start is not None:
         out.add_(start.reshape(out.shape))
-    return F.gelu(out) if gelu else out
+    out = F.gelu(out) if gelu else out
+    if norm is None:
+        return out
+    return F.layer_norm(out, (out.shape[-1],), _vector(norm.weight), _vector(norm.bias), norm.eps)
 
 
 def int8_linear_ref(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -87,9 +91,7 @@ def int8_linear_ref(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch
     if smooth is not None:
         rows = rows / smooth
     q, scale = int8_rows(rows)
-    out = _scaled_back(torch._int_mm(q, weight_q.t()), scale, weight_scale, bias, start, gelu)
-    if norm is not None:
-        out = F.layer_norm(out, (out.shape[-1],), _vector(norm.weight), _vector(norm.bias), norm.eps)
+    out = _scaled_back(torch._int_mm(q, weight_q.t()), scale, weight_scale, bias, start, gelu, norm)
     return out.to(_out_dtype(out_dtype)).view(*x.shape[:-1], weight_q.shape[0])
 
 
@@ -151,10 +153,7 @@ def int8_linear(x: torch.Tensor | Int8Rows, weight_q: torch.Tensor, weight_scale
         acc, scale = _sums(ext, x, weight_q, weight_scale, smooth)
     start = None if start is None else start.reshape(acc.shape).contiguous()
     if ext is None:
-        out = _scaled_back(acc, scale, weight_scale, _vector(bias), start, gelu)
-        if norm is not None:
-            out = F.layer_norm(out, (out.shape[-1],), _vector(norm.weight), _vector(norm.bias), norm.eps)
-        out = out.to(out_dtype)
+        out = _scaled_back(acc, scale, weight_scale, _vector(bias), start, gelu, norm).to(out_dtype)
     else:
         nw, nb, eps = (None, None, 1e-12) if norm is None else (_vector(norm.weight), _vector(norm.bias), norm.eps)
         out = ext.dequantize_rows(acc, scale, _vector(weight_scale), _vector(bias), start, gelu,

@@ -83,11 +83,6 @@ void finish_rows(const Rows& r, int64_t i0, int64_t i1, bool normalize, float ep
   }
 }
 
-YOSO_SIMD_CLONES
-void narrow_row(const float* __restrict x, int64_t d, uint16_t* __restrict to) {
-  for (int64_t c = 0; c < d; ++c) to[c] = yoso::simd::bf16_bits(x[c]);
-}
-
 void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::optional<torch::Tensor>& weight,
                       const c10::optional<torch::Tensor>& keep, bool normalize, double eps,
                       const c10::optional<torch::Tensor>& out16) {
@@ -150,7 +145,7 @@ void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::opti
         finish_rows(rows, i0, i1, normalize, feps, acc.data());
         if (o16 != nullptr)  // the rows just finished, still in cache
           for (int64_t i = i0; i < i1; ++i)
-            narrow_row(rows.out + i * rows.ldo, d, o16 + b * os16[0] + h * os16[1] + i * os16[2]);
+            yoso::simd::to_bf16(rows.out + i * rows.ldo, d, o16 + b * os16[0] + h * os16[1] + i * os16[2]);
       }
     });
   });

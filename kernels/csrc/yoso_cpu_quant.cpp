@@ -31,7 +31,7 @@
 #include <vector>
 
 #include "yoso_check.h"
-#include "yoso_cpu_simd.h"  // bf16_bits
+#include "yoso_cpu_simd.h"  // bf16_bits, to_bf16
 
 namespace {
 
@@ -145,12 +145,7 @@ void layer_norm_block(float* __restrict x, int64_t r0, int64_t r1, int64_t n, co
   }
 }
 
-using yoso::simd::bf16_bits;
-
-YOSO_SIMD_CLONES
-void to_bf16(const float* __restrict x, int64_t n, uint16_t* __restrict out) {
-  for (int64_t c = 0; c < n; ++c) out[c] = bf16_bits(x[c]);
-}
+using yoso::simd::to_bf16;
 
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, width)); }
 
@@ -187,8 +182,8 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::opti
   return {q, scale};
 }
 
-// A LayerNorm's weight or bias (N,) fp32, checked, or null.
-const float* norm_vector(const c10::optional<torch::Tensor>& t, const char* name, int64_t n) {
+// An optional (N,) fp32 vector (a bias, a LayerNorm's weight or bias), checked, or null.
+const float* row_vector(const c10::optional<torch::Tensor>& t, const char* name, int64_t n) {
   if (!t.has_value()) return nullptr;
   check_tensor(*t, name, at::kFloat, 1);
   YOSO_CHECK(t->size(0) == n, name, " must be (N,) = (", n, ",), got ", t->sizes());
@@ -205,10 +200,7 @@ const float* check_sums(const torch::Tensor& acc, const torch::Tensor& scale, co
              scale.sizes());
   check_tensor(col_scale, "col_scale", at::kFloat, 1);
   YOSO_CHECK(col_scale.size(0) == n, "col_scale must be (N,) = (", n, ",), got ", col_scale.sizes());
-  if (!bias.has_value()) return nullptr;
-  check_tensor(*bias, "bias", at::kFloat, 1);
-  YOSO_CHECK(bias->size(0) == n, "bias must be (N,) = (", n, ",), got ", bias->sizes());
-  return bias->data_ptr<float>();
+  return row_vector(bias, "bias", n);
 }
 
 torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& scale, const torch::Tensor& col_scale,
@@ -218,8 +210,8 @@ torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& sca
   const float* bp = check_sums(acc, scale, col_scale, bias);
   const int64_t rows = acc.size(0), n = acc.size(1);
   const float* stp = start_rows(start, rows, n);
-  const float* nw = norm_vector(norm_weight, "norm_weight", n);
-  const float* nb = norm_vector(norm_bias, "norm_bias", n);
+  const float* nw = row_vector(norm_weight, "norm_weight", n);
+  const float* nb = row_vector(norm_bias, "norm_bias", n);
   YOSO_CHECK(nb == nullptr || nw != nullptr, "norm_bias needs norm_weight");
   YOSO_CHECK(eps > 0, "eps must be positive, got ", eps);
   const float feps = float(eps);
@@ -354,6 +346,15 @@ torch::Tensor sum_parts(const std::vector<torch::Tensor>& parts, const c10::opti
 }
 
 }  // namespace
+
+namespace yoso::simd {
+
+YOSO_SIMD_CLONES
+void to_bf16(const float* __restrict x, int64_t n, uint16_t* __restrict out) {
+  for (int64_t c = 0; c < n; ++c) out[c] = bf16_bits(x[c]);
+}
+
+}  // namespace yoso::simd
 
 void register_quant_ops(pybind11::module_& m) {
   m.def("quantize_rows", &quantize_rows,

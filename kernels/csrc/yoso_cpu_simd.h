@@ -74,6 +74,9 @@ inline uint16_t bf16_bits(float f) {
   return f != f ? uint16_t(0x7FC0) : uint16_t(rounded);
 }
 
+// x (count fp32) -> to (count bf16 bits), each rounded by bf16_bits (yoso_cpu_quant.cpp, SIMD clones).
+void to_bf16(const float* x, int64_t count, uint16_t* to);
+
 // Which bodies run: "avx2" or "portable" (YOSO_CPU_PORTABLE=1 in the environment forces the latter).
 const char* level();
 
