@@ -7,14 +7,14 @@ if __name__ != "yoso_serve.kernels":  # a checkout on sys.path, imported as top-
     guard = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "kernels", "_checkout.py")
     runpy.run_path(guard)["step_aside"](__name__, __file__)
 else:
-    from ._build import backend_info, cpu_kernels_built, int8_hashing_body, precompile
+    from ._build import backend_info, cpu_kernels_built, exact_bf16_dots, int8_hashing_body, precompile
     from .dense_int8 import Int8Rows, LayerNormArgs, int8_linear, int8_linear_ref, int8_linear_rows, int8_rows
     from .dense_parts import sum_parts, sum_parts_ref
     from .hashing import hash_codes, hash_codes_ref
     from .yoso import yoso_attention, yoso_attention_ref
 
     __all__ = [
-        "Int8Rows", "LayerNormArgs", "backend_info", "cpu_kernels_built", "hash_codes", "hash_codes_ref",
-        "int8_hashing_body", "int8_linear", "int8_linear_ref", "int8_linear_rows", "int8_rows", "precompile", "sum_parts",
-        "sum_parts_ref", "yoso_attention", "yoso_attention_ref",
+        "Int8Rows", "LayerNormArgs", "backend_info", "cpu_kernels_built", "exact_bf16_dots", "hash_codes",
+        "hash_codes_ref", "int8_hashing_body", "int8_linear", "int8_linear_ref", "int8_linear_rows", "int8_rows",
+        "precompile", "sum_parts", "sum_parts_ref", "yoso_attention", "yoso_attention_ref",
     ]

@@ -53,7 +53,8 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # headers hold structs, declarations and a few inline helpers: ninja's dependency files rebuild what
 # includes a changed one.
 _SOURCES = [_CSRC / f"yoso_cpu{part}.cpp"
-            for part in ("", "_fused", "_finish", "_quant", "_kernels", "_weighted", "_simd", "_simd_i8", "_exact")]
+            for part in ("", "_fused", "_finish", "_quant", "_kernels", "_weighted", "_simd", "_simd_i8", "_simd_bf16",
+                         "_exact")]
 _EXTENSION_NAME = "yoso_serve_cpu"
 
 logger = logging.getLogger("yoso_serve.kernels")
@@ -180,6 +181,13 @@ def int8_hashing_body() -> str:
     "torch" without it (PyTorch's exact fp32 GEMM of the integers)."""
     module = cpu_extension()
     return module.int8_level() if module is not None else "torch"
+
+
+def exact_bf16_dots() -> bool:
+    """Whether exact mode on CPU reads bf16 q and k (the bf16 and int8 dense layers give them) with AVX-512 BF16
+    dot products: the C++ extension built, on a CPU that has them, YOSO_CPU_NO_BF16_DOT not set to 1."""
+    module = cpu_extension()
+    return module is not None and bool(module.bf16_dots())
 
 
 def backend_info() -> dict:

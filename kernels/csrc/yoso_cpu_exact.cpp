@@ -58,19 +58,26 @@ int64_t real_length(const K* keep, int64_t n) {
   return n;
 }
 
-// acc (rows, dv) = sum over the key blocks of ((1 - arccos(q kt)/pi)^tau * keep) v for `rows` unit query rows
-// against the first n keys (kt: the unit keys transposed, row stride ldk), key blocks in order: the one loop
-// both forwards run, so their bits agree. tile holds kQueryBlock x kKeyBlock floats, acc kQueryBlock x dv.
-void forward_block(const float* q, int64_t d, const float* kt, int64_t ldk, const float* v, int64_t ldv, int64_t dv,
-                   const float* keep, int64_t n, int64_t rows, int tau, float* tile, float* acc) {
+// acc (rows, dv) = sum over the key blocks of ((1 - arccos(cosines)/pi)^tau * keep) v for `rows` query rows
+// against the first n keys, key blocks in order: the one loop every forward runs. cosines(j0, cols, tile) writes
+// the rows' cosines with keys j0..j0+cols-1 into tile (row stride kKeyBlock); tile holds kQueryBlock x kKeyBlock
+// floats, acc kQueryBlock x dv.
+template <typename Cosines>
+void forward_block(const Cosines& cosines, const float* v, int64_t ldv, int64_t dv, const float* keep, int64_t n,
+                   int64_t rows, int tau, float* tile, float* acc) {
   std::fill(acc, acc + kQueryBlock * dv, 0.f);
   for (int64_t j0 = 0; rows > 0 && j0 < n; j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, n - j0);
-    simd::gemm(q, d, kt + j0, ldk, rows, d, cols, tile, kKeyBlock, false);
+    cosines(j0, cols, tile);
     for (int64_t r = 0; r < rows; ++r)
       simd::collision_weights(tile + r * kKeyBlock, nullptr, keep + j0, cols, tau, false, 0.f);
     simd::gemm(tile, kKeyBlock, v + j0 * ldv, ldv, rows, cols, dv, acc, dv, true);
   }
+}
+
+// The cosines of `rows` unit query rows q (d floats each) with unit keys kt (transposed, row stride ldk).
+auto unit_cosines(const float* q, int64_t d, const float* kt, int64_t ldk, int64_t rows) {
+  return [=](int64_t j0, int64_t cols, float* tile) { simd::gemm(q, d, kt + j0, ldk, rows, d, cols, tile, kKeyBlock, false); };
 }
 
 // A row as fp32: an fp32 row as it is, a bf16 row widened (exactly) into `to`
@@ -81,15 +88,22 @@ inline const float* widen(const uint16_t* x, int64_t count, float* to) {
 }
 
 // exact_attention over q, k, v elements of type T (float or bf16 bits): each (batch*head) is one work item that
-// normalises its rows into the thread's buffers (in cache for the GEMMs right after) and writes its output rows.
+// prepares its rows in the thread's buffers (in cache for the GEMMs right after) and writes its output rows.
+// fp32 rows, and bf16 ones on CPUs without bf16 dot products (or of odd width), are made unit rows and the
+// keys transposed; bf16 rows with bf16 dot products stay as they are, the keys packed in pairs, and each
+// cosine is their exact products' sum scaled by the two rows' inverse norms (simd::cosines_bf16).
 template <typename T>
 void exact_attention_t(const AttentionParams& a, int nthreads) {
   const int64_t bh = a.batch * a.heads, n = a.n, d = a.d, dv = a.dv;
   const T *q = static_cast<const T*>(a.q), *k = static_cast<const T*>(a.k), *v = static_cast<const T*>(a.v);
   constexpr bool kWide = std::is_same<T, float>::value;  // v is read in place; bf16 values are widened first
+  const bool dots = !kWide && d % 2 == 0 && simd::bf16_dots();
+  const int64_t pairs = d / 2;
 #pragma omp parallel num_threads(threads_for_heads(bh, n, d, dv, nthreads))
   {
-    std::vector<float> qs(n * d), kt(d * n), keep(n), vs(kWide ? 0 : n * dv), row(d);
+    std::vector<float> qs(dots ? 0 : n * d), kt(dots ? 0 : d * n), keep(n), vs(kWide ? 0 : n * dv), row(d);
+    std::vector<float> iq(dots ? n : 0), ik(dots ? n : 0);
+    std::vector<uint32_t> kp(dots ? pairs * n : 0);
     std::vector<float> tile(kQueryBlock * kKeyBlock), acc(kQueryBlock * dv);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < bh; ++b) {
@@ -100,8 +114,23 @@ void exact_attention_t(const AttentionParams& a, int nthreads) {
       const int64_t real = real_length(kept, n);
       const T* xq = q + batch * a.q_stride[0] + head * a.q_stride[1];
       const T* xk = k + batch * a.k_stride[0] + head * a.k_stride[1];
-      for (int64_t i = 0; i < real; ++i) {
-        keep[i] = kept == nullptr || kept[i] ? 1.f : 0.f;
+      for (int64_t i = 0; i < real; ++i) keep[i] = kept == nullptr || kept[i] ? 1.f : 0.f;
+      const T* xv = v + batch * a.v_stride[0] + head * a.v_stride[1];
+      const float* values = vs.data();
+      int64_t ldv = dv;
+      if constexpr (kWide) {
+        values = xv;
+        ldv = a.v_stride[2];
+      } else if (dots) {
+        const auto bits = [](const T* x) { return reinterpret_cast<const uint16_t*>(x); };
+        simd::prepare_bf16_rows(bits(xq), a.q_stride[2], real, pairs, iq.data(), nullptr, 0, nullptr);
+        simd::prepare_bf16_rows(bits(xk), a.k_stride[2], real, pairs, ik.data(), kp.data(), n, nullptr);
+        if (dv % 2 == 0)
+          simd::prepare_bf16_rows(bits(xv), a.v_stride[2], real, dv / 2, nullptr, nullptr, 0, vs.data());
+      }
+      if (!kWide && !(dots && dv % 2 == 0))
+        for (int64_t i = 0; i < real; ++i) widen(xv + i * a.v_stride[2], dv, vs.data() + i * dv);
+      for (int64_t i = 0; !dots && i < real; ++i) {
         const float* rq = widen(xq + i * a.q_stride[2], d, row.data());
         const float sq = inverse_norm(rq, d);
         for (int64_t c = 0; c < d; ++c) qs[i * d + c] = rq[c] * sq;
@@ -109,21 +138,20 @@ void exact_attention_t(const AttentionParams& a, int nthreads) {
         const float sk = inverse_norm(rk, d);
         for (int64_t c = 0; c < d; ++c) kt[c * n + i] = rk[c] * sk;
       }
-      const T* xv = v + batch * a.v_stride[0] + head * a.v_stride[1];
-      const float* values = vs.data();
-      int64_t ldv = dv;
-      if constexpr (kWide) {
-        values = xv;
-        ldv = a.v_stride[2];
-      } else {
-        for (int64_t i = 0; i < real; ++i) widen(xv + i * a.v_stride[2], dv, vs.data() + i * dv);
-      }
       float* out = a.out + batch * a.out_stride[0] + head * a.out_stride[1];
       for (int64_t i0 = 0; i0 < n; i0 += kQueryBlock) {
         const int64_t rows = std::max<int64_t>(0, std::min(kQueryBlock, real - i0));
-        if (rows > 0)
-          forward_block(qs.data() + i0 * d, d, kt.data(), n, values, ldv, dv, keep.data(), real, rows, a.hash_bits,
-                        tile.data(), acc.data());
+        if (rows > 0 && dots) {
+          const auto* bits = reinterpret_cast<const uint16_t*>(xq + i0 * a.q_stride[2]);
+          const auto cosines = [&](int64_t j0, int64_t cols, float* to) {
+            simd::cosines_bf16(bits, a.q_stride[2], iq.data() + i0, kp.data() + j0, n, ik.data() + j0, rows, pairs,
+                               cols, to, kKeyBlock);
+          };
+          forward_block(cosines, values, ldv, dv, keep.data(), real, rows, a.hash_bits, tile.data(), acc.data());
+        } else if (rows > 0) {
+          forward_block(unit_cosines(qs.data() + i0 * d, d, kt.data(), n, rows), values, ldv, dv, keep.data(), real,
+                        rows, a.hash_bits, tile.data(), acc.data());
+        }
         // padded queries give zero rows (as every row past the last real one)
         for (int64_t r = 0; r < std::min(kQueryBlock, n - i0); ++r) {
           float* o = out + (i0 + r) * a.out_stride[2];
@@ -154,8 +182,8 @@ void exact_forward(const ExactParams& p, int nthreads) {
       const float* v = p.v + (b / p.heads) * p.v_stride[0] + (b % p.heads) * p.v_stride[1];
       float* out = p.out + (b / p.heads) * p.out_stride[0] + (b % p.heads) * p.out_stride[1];
       const int64_t rows = std::max<int64_t>(0, std::min(kQueryBlock, real[b] - i0));
-      forward_block(p.q + (b * p.n + i0) * p.d, p.d, kt.data() + b * p.d * p.n, p.n, v, p.v_stride[2], p.dv, keep,
-                    real[b], rows, p.tau, tile.data(), acc.data());
+      forward_block(unit_cosines(p.q + (b * p.n + i0) * p.d, p.d, kt.data() + b * p.d * p.n, p.n, rows), v,
+                    p.v_stride[2], p.dv, keep, real[b], rows, p.tau, tile.data(), acc.data());
       // padded queries give zero rows (past the last real one acc is zero as well)
       for (int64_t r = 0; r < std::min(kQueryBlock, p.n - i0); ++r) {
         float* o = out + (i0 + r) * p.out_stride[2];

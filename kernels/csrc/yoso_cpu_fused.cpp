@@ -9,6 +9,7 @@
 //   all_finite(x)                            -> whether a (B, H, N, D) fp32 or bf16 view holds no NaN or inf
 //   simd_level()                                                     -> "avx2" | "portable"
 //   int8_level()                                    -> "avx512-vnni" | "avx2" | "portable" (int8 hashing)
+//   bf16_dots()                                     -> whether exact mode takes bf16 q, k by bf16 dot products
 //
 // Every check names the limit it enforces (YOSO_CHECK, yoso_check.h -> RuntimeError in Python).
 
@@ -276,5 +277,6 @@ void register_fused_ops(pybind11::module_& m) {
         "(x (B, H, N, D) fp32 or bf16 CPU view, unit stride along D) -> whether it holds no NaN and no inf, in one "
         "read", py::arg("x"));
   m.def("simd_level", &yoso::simd::level, "which kernel bodies run: avx2 or portable");
+  m.def("bf16_dots", &yoso::simd::bf16_dots, "whether exact mode reads bf16 q and k with AVX-512 BF16 dot products");
   m.def("int8_level", &yoso::simd::int8_level, "which body int8 hashing runs: avx512-vnni, avx2 or portable");
 }

@@ -77,6 +77,20 @@ inline uint16_t bf16_bits(float f) {
 // x (count fp32) -> to (count bf16 bits), each rounded by bf16_bits (yoso_cpu_quant.cpp, SIMD clones).
 void to_bf16(const float* x, int64_t count, uint16_t* to);
 
+// Exact mode from bf16 rows, with AVX-512 BF16 dot products (vdpbf16ps: each product exact in fp32, summed in fp32);
+// only where bf16_dots() (the CPU has them, and neither YOSO_CPU_PORTABLE=1 nor YOSO_CPU_NO_BF16_DOT=1 is set).
+bool bf16_dots();
+// c[r][j] = (sum_p q[r][2p] k[j][2p] + q[r][2p+1] k[j][2p+1]) * ik[j] * iq[r] for r < rows, j < cols: q (rows,
+// 2 * pairs) bf16 bits with row stride ldq, the keys packed in pairs kp (pairs, ldk), kp[p][j] = k[j][2p] |
+// k[j][2p+1] << 16. The sum runs over the pairs in order, one lane each, so c[r][j] depends on neither rows nor cols.
+void cosines_bf16(const uint16_t* q, int64_t ldq, const float* iq, const uint32_t* kp, int64_t ldk, const float* ik,
+                  int64_t rows, int64_t pairs, int64_t cols, float* c, int64_t ldc);
+// For rows of x (2 * pairs bf16 bits, row stride ldx), each optional: inv[r] = 1 / max(|x_r|, 1e-12), the squares
+// summed by the same dot products; kp[p * ldk + r] the row's pair p as cosines_bf16 reads keys; wide (rows,
+// 2 * pairs) the rows widened to fp32.
+void prepare_bf16_rows(const uint16_t* x, int64_t ldx, int64_t rows, int64_t pairs, float* inv, uint32_t* kp,
+                       int64_t ldk, float* wide);
+
 // Which bodies run: "avx2" or "portable" (YOSO_CPU_PORTABLE=1 in the environment forces the latter).
 const char* level();
 

@@ -274,6 +274,7 @@ def test_native_bf16_reads_the_cpu_flags(monkeypatch, tmp_path):
 def test_bf16_dense_model_stays_near_fp32_and_row_independent():
     """A whole model with bf16 dense layers: embeddings within 1e-3 cosine of fp32 in exact mode, and a text's
     vector the same alone or beside a longer one (padding)."""
+    from yoso_serve.kernels import exact_bf16_dots
     from yoso_serve.model import EncoderConfig, EncoderModel
     from yoso_serve.model.linear import set_dense_dtype
 
@@ -294,6 +295,8 @@ def test_bf16_dense_model_stays_near_fp32_and_row_independent():
         assert torch.nn.functional.cosine_similarity(fp32, bf16).min() > 0.999
         assert not torch.equal(fp32, bf16)
         assert torch.equal(model.embed(ids[1:, :20], mask[1:, :20], hashes=0)[0], bf16[1])
-        assert model.backend_info()["dense"] == "bf16"
+        info = model.backend_info()
+        assert info["dense"] == "bf16"
+        assert info.get("exact_bf16_dots", False) == (info["backend"] == "cpp" and exact_bf16_dots())
         set_dense_dtype(model, "fp32")
-        assert model.backend_info()["dense"] == "fp32"
+        assert model.backend_info()["dense"] == "fp32" and "exact_bf16_dots" not in model.backend_info()
