@@ -77,7 +77,9 @@ void forward_block(const Cosines& cosines, const float* v, int64_t ldv, int64_t 
 
 // The cosines of `rows` unit query rows q (d floats each) with unit keys kt (transposed, row stride ldk).
 auto unit_cosines(const float* q, int64_t d, const float* kt, int64_t ldk, int64_t rows) {
-  return [=](int64_t j0, int64_t cols, float* tile) { simd::gemm(q, d, kt + j0, ldk, rows, d, cols, tile, kKeyBlock, false); };
+  return [=](int64_t j0, int64_t cols, float* tile) {
+    simd::gemm(q, d, kt + j0, ldk, rows, d, cols, tile, kKeyBlock, false);
+  };
 }
 
 // A row as fp32: an fp32 row as it is, a bf16 row widened (exactly) into `to`

@@ -41,14 +41,31 @@ struct Rows {
   int64_t window, n, d;
 };
 
-// D is a template argument for the common head sizes (the accumulator then lives in registers)
-// and 0 for any other, read from r.d at run time; both sum taps in increasing t.
+// Both helpers are always inlined, so that each of finish_rows' clones compiles them for its own instruction set
+// (not inlined, the body ran as baseline SSE2 code in the AVX2 clone: with D = 64, and with the two-row loop).
+#define YOSO_INLINE __attribute__((always_inline)) inline
+
+// a[c] += w * src[c] for c < d
 template <int64_t D>
-inline void finish_rows_body(const Rows& r, int64_t i0, int64_t i1, bool normalize, float eps, float* __restrict acc) {
-  const int64_t d = D > 0 ? D : r.d, half = r.window / 2;
-  for (int64_t i = i0; i < i1; ++i) {
-    float* __restrict row = r.out + i * r.ldo;
-    if (normalize) {
+YOSO_INLINE void add_tap(float* __restrict a, float w, const float* __restrict src, int64_t d) {
+#pragma omp simd
+  for (int64_t c = 0; c < (D > 0 ? D : d); ++c) a[c] += w * src[c];
+}
+
+// D is a template argument for the common head sizes (the accumulators then live in registers) and 0 for any
+// other, read from r.d at run time. Rows are finished two at a time: each value row read serves both (taps t
+// and t - 1), whose sums are independent chains, so the FMAs wait on neither their latency nor the loads; each
+// row still sums its taps in increasing t, the bits of one row at a time.
+template <int64_t D>
+YOSO_INLINE void finish_rows_body(const Rows& r, int64_t i0, int64_t i1, bool normalize, float eps,
+                                  float* __restrict acc) {
+  const int64_t d = D > 0 ? D : r.d, half = r.window / 2, window = r.window, n = r.n, ldv = r.ldv;
+  const float* __restrict v = r.v - r.v_first * ldv;  // row j of the values at v + j * ldv
+  const float* __restrict w = r.w;
+  const uint8_t* keep = r.keep;
+  if (normalize)
+    for (int64_t i = i0; i < i1; ++i) {
+      float* __restrict row = r.out + i * r.ldo;
       float sq = 0.f;
 #pragma omp simd reduction(+ : sq)
       for (int64_t c = 0; c < d; ++c) sq += row[c] * row[c];
@@ -56,21 +73,33 @@ inline void finish_rows_body(const Rows& r, int64_t i0, int64_t i1, bool normali
 #pragma omp simd
       for (int64_t c = 0; c < d; ++c) row[c] /= norm;
     }
-    if (r.w == nullptr) continue;
-    float local[D > 0 ? D : 1];
-    float* __restrict a = D > 0 ? local : acc;
-    for (int64_t c = 0; c < d; ++c) a[c] = 0.f;
-    const int64_t t0 = std::max<int64_t>(0, half - i), t1 = std::min<int64_t>(r.window, r.n - i + half);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t j = i + t - half;
-      if (r.keep != nullptr && !r.keep[j]) continue;
-      const float wt = r.w[t];
-      const float* __restrict src = r.v + (j - r.v_first) * r.ldv;
+  if (w == nullptr) return;
+  float local[D > 0 ? 2 * D : 1];
+  float* __restrict a0 = D > 0 ? local : acc;
+  float* __restrict a1 = D > 0 ? local + D : acc + d;
+  const auto kept = [keep](int64_t j) { return keep == nullptr || keep[j]; };
+  for (int64_t i = i0; i < i1; i += 2) {
 #pragma omp simd
-      for (int64_t c = 0; c < d; ++c) a[c] += wt * src[c];
+    for (int64_t c = 0; c < d; ++c) a0[c] = a1[c] = 0.f;
+    float* __restrict row = r.out + i * r.ldo;
+    // row i reads j in [i - half, i + half], row i + 1 the same shifted by one: [first + 1, last - 1] serves both
+    const int64_t first = i - half, last = i + 1 + half;
+    if (i + 1 == i1) {  // a last row alone
+      for (int64_t j = std::max<int64_t>(0, first); j < std::min(n, last); ++j)
+        if (kept(j)) add_tap<D>(a0, w[j - first], v + j * ldv, d);
+    } else {
+      if (first >= 0 && kept(first)) add_tap<D>(a0, w[0], v + first * ldv, d);
+      for (int64_t j = std::max<int64_t>(0, first + 1); j < std::min(n, last); ++j)
+        if (kept(j)) {
+          add_tap<D>(a0, w[j - first], v + j * ldv, d);
+          add_tap<D>(a1, w[j - first - 1], v + j * ldv, d);
+        }
+      if (last < n && kept(last)) add_tap<D>(a1, w[window - 1], v + last * ldv, d);
+#pragma omp simd
+      for (int64_t c = 0; c < d; ++c) row[r.ldo + c] += a1[c];
     }
 #pragma omp simd
-    for (int64_t c = 0; c < d; ++c) row[c] += a[c];
+    for (int64_t c = 0; c < d; ++c) row[c] += a0[c];
   }
 }
 
@@ -126,7 +155,7 @@ void attention_finish(torch::Tensor out, const torch::Tensor& v, const c10::opti
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (kRowsPerTask * d * (window + 2)));
   run_without_gil([&] {
     at::parallel_for(0, batch * heads * blocks, grain, [&](int64_t first, int64_t last) {
-      std::vector<float> acc(d), wide(bf16 && w ? (kRowsPerTask + window) * d : 0);
+      std::vector<float> acc(2 * d), wide(bf16 && w ? (kRowsPerTask + window) * d : 0);
       for (int64_t task = first; task < last; ++task) {
         const int64_t bh = task / blocks, b = bh / heads, h = bh % heads, i0 = (task % blocks) * kRowsPerTask;
         const int64_t i1 = std::min(n, i0 + kRowsPerTask);

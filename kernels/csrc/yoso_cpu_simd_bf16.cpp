@@ -75,7 +75,8 @@ constexpr int kRows = 8;
 YOSO_BF16 void cosines_avx512(const uint16_t* q, int64_t ldq, const float* iq, const uint32_t* kp, int64_t ldk,
                               const float* ik, int64_t rows, int64_t pairs, int64_t cols, float* c, int64_t ldc) {
   int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) strip<kRows>(q + r * ldq, ldq, iq + r, kp, ldk, ik, pairs, cols, c + r * ldc, ldc);
+  for (; r + kRows <= rows; r += kRows)
+    strip<kRows>(q + r * ldq, ldq, iq + r, kp, ldk, ik, pairs, cols, c + r * ldc, ldc);
   using Strip = void (*)(const uint16_t*, int64_t, const float*, const uint32_t*, int64_t, const float*, int64_t,
                          int64_t, float*, int64_t);
   static constexpr Strip kTail[kRows] = {nullptr, strip<1>, strip<2>, strip<3>, strip<4>, strip<5>, strip<6>, strip<7>};
