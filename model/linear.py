@@ -37,10 +37,47 @@ def _onednn_linear():
 ONEDNN_LINEAR = _onednn_linear()
 
 
-# The longest K one bf16 GEMM call takes (Linear's bf16 path): measured on a Xeon with AMX (torch 2.13.0,
-# 2 threads), K 384 gave every row the same bits at any row count from 1 to 1100, while K 768 and 1536 gave
-# three or four different roundings by row count (AVX512-BF16 without AMX: the same bits from 2 rows up).
-BF16_K_BLOCK = 384
+# The longest K one bf16 GEMM takes on every CPU: measured on a Xeon with AMX (torch 2.13.0, 2 threads), K 384
+# gave every row the same bits at any row count from 1 to 1100, while K 768 and 1536 gave three or four different
+# roundings by row count.
+BF16_SAFE_K = 384
+
+
+def _cpu_flags() -> list[str]:
+    """/proc/cpuinfo's flags ([] where there is none: not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+
+
+def bf16_k_block() -> int | None:
+    """The K-block a bf16 GEMM over a longer K runs in (:data:`BF16_SAFE_K`), or None where one GEMM gives a row
+    the same bits at any row count: CPUs with AVX512-BF16 and without AMX (AMD Zen 4, Intel Cooper Lake). There,
+    measured on AMD EPYC (Zen 4; torch 2.13.0; K 768 to 3072, with bias; 1 to 32 threads), every row had the same
+    bits at any row count from 2 to 12,000; one row alone took another kernel, so it goes in twice."""
+    flags = _cpu_flags()
+    return None if "avx512_bf16" in flags and not {"amx_bf16", "amx_tile"} & set(flags) else BF16_SAFE_K
+
+
+BF16_K_BLOCK = bf16_k_block()
+
+
+def k_blocked(in_features: int) -> bool:
+    """Whether a bf16 GEMM over ``in_features`` runs per K-block on this CPU (:func:`bf16_k_block`)."""
+    return BF16_K_BLOCK is not None and in_features > BF16_K_BLOCK
+
+
+def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, attr: str = "none",
+                 algorithm: str = "") -> torch.Tensor:
+    """One oneDNN bf16 GEMM; over a K longer than :data:`BF16_SAFE_K` a single row goes in as the first of two
+    (alone it took another kernel, with other roundings, than any two rows or more)."""
+    if x.shape[-1] > BF16_SAFE_K and x.numel() == x.shape[-1]:
+        rows = x.reshape(1, -1)
+        out = ONEDNN_LINEAR(torch.cat([rows, rows]), weight, bias, attr, [], algorithm)[:1]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    return ONEDNN_LINEAR(x, weight, bias, attr, [], algorithm)
 
 # Activations oneDNN applies inside the GEMM with aten's exact formula (bit-identical outputs; its tanh
 # GELU differs from aten's by up to 1.5e-4 relative, so those stay a separate pass).
@@ -51,11 +88,7 @@ def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16: Zen 4, Cooper Lake, Sapphire
     Rapids and later), where oneDNN's bf16 GEMM runs about twice as fast as fp32 (bench/linear.py). Read
     from /proc/cpuinfo's flags; False where there is none (not Linux)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    flags = _cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
@@ -77,9 +110,10 @@ class Linear(nn.Linear):
     1e-3 relative (docs/benchmarks.md, "bf16 GEMMs"). With ``int8`` set (model/dense_int8.py) a bf16 input (the
     YOSO core's context) is widened and quantized like an fp32 one.
 
-    A bf16 GEMM whose inputs are longer than :data:`BF16_K_BLOCK` runs as GEMMs over K-blocks of that
-    length, their bf16 outputs summed in fp32 in a fixed order: with AMX, oneDNN blocks a longer K by the
-    number of rows, so a row's bits depended on what else was in the batch; over one block they do not."""
+    On CPUs that need it (:func:`bf16_k_block`: with AMX, oneDNN blocks a longer K by the number of rows, so a
+    row's bits depended on what else was in the batch) a bf16 GEMM whose inputs are longer than
+    :data:`BF16_K_BLOCK` runs as GEMMs over K-blocks of that length, their bf16 outputs summed in fp32 in a fixed
+    order; over one block they do not."""
 
     bf16 = False  # per instance: set_dense_dtype
     int8 = False  # per instance: set_dense_dtype (model/dense_int8.py)
@@ -99,10 +133,10 @@ class Linear(nn.Linear):
         if not self.bf16:
             return x, self.weight, self.bias
         key = (self.weight._version, self.weight.data_ptr(),
-               None if self.bias is None else (self.bias._version, self.bias.data_ptr()))
+               None if self.bias is None else (self.bias._version, self.bias.data_ptr()), BF16_K_BLOCK)
         if getattr(self, "_bf16_key", None) != key:
             weight = self.weight.detach().bfloat16()
-            if self.in_features > BF16_K_BLOCK:  # one contiguous weight block per K-block
+            if k_blocked(self.in_features):  # one contiguous weight block per K-block
                 weight = [w.contiguous() for w in weight.split(BF16_K_BLOCK, dim=1)]
             self._bf16 = (weight, None if self.bias is None else self.bias.detach().bfloat16())
             self._bf16_key = key
@@ -116,13 +150,13 @@ class Linear(nn.Linear):
                            gelu=gelu, norm=norm)
 
     def _gemm(self, x: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
-        """``self(x)`` on oneDNN, fp32 out, plus ``start`` (fp32) if given: one GEMM, or in bf16 over a K longer
-        than BF16_K_BLOCK one GEMM per K-block, their bf16 outputs summed in fp32 in order after ``start``."""
+        """``self(x)`` on oneDNN, fp32 out, plus ``start`` (fp32) if given: one GEMM, or in bf16 K-blocked
+        (:func:`k_blocked`) one GEMM per K-block, their bf16 outputs summed in fp32 in order after ``start``."""
         if self.int8:
             return self._int8(x, start)
         x, weight, bias = self._operands(x)
         if not isinstance(weight, list):
-            out = ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+            out = _bf16_linear(x, weight, bias) if self.bf16 else ONEDNN_LINEAR(x, weight, bias, "none", [], "")
             return out.float() if start is None else sum_parts([out], start)
         return sum_parts([ONEDNN_LINEAR(xj, wj, bias if j == 0 else None, "none", [], "")
                           for j, (xj, wj) in enumerate(zip(x.split(BF16_K_BLOCK, dim=-1), weight))], start)
@@ -135,16 +169,18 @@ class Linear(nn.Linear):
     def bf16_product(self, x: torch.Tensor) -> torch.Tensor:
         """``self(x)`` in bf16 mode as the GEMM's own bf16 output (same values, half the bytes); fp32 if K-blocked."""
         x, weight, bias = self._operands(x)
-        return self._gemm(x) if isinstance(weight, list) else ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+        return self._gemm(x) if isinstance(weight, list) else _bf16_linear(x, weight, bias)
 
     def activated(self, x: torch.Tensor, name: str, act) -> torch.Tensor:
         """``act(self(x))``, where ``act`` is the activation ``hidden_act`` = ``name`` names (bf16 in bf16 mode)."""
         if self.int8 and self._fast(x):  # exact GELU fused into the int8 epilogue; others after it
             return self._int8(x, gelu=True) if name == "gelu" else act(self._gemm(x))
         if name in FUSED_ACTIVATIONS and self._fast(x):
-            if self.bf16 and self.in_features > BF16_K_BLOCK:  # K-blocked: the sum first, then the activation
+            if self.bf16 and k_blocked(self.in_features):  # the sum first, then the activation
                 return act(self._gemm(x)).bfloat16()
             attr, algorithm = FUSED_ACTIVATIONS[name]
+            if self.bf16:
+                return _bf16_linear(*self._operands(x), attr, algorithm)
             return ONEDNN_LINEAR(*self._operands(x), attr, [], algorithm)
         return act(self(x))
 

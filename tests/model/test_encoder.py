@@ -218,16 +218,21 @@ def test_linear_in_bf16_multiplies_rounded_operands_and_keeps_rows_independent()
 
 
 @pytest.mark.parametrize("k", [768, 1536])
-def test_linear_in_bf16_over_a_long_k_gives_a_row_the_same_bits_at_any_row_count(k):
-    """K above BF16_K_BLOCK (the FFN's output layer: 1536): one GEMM per K-block, summed in fp32, so that a
+@pytest.mark.parametrize("blocked", [True, False], ids=["k-blocked", "one-gemm"])
+def test_linear_in_bf16_over_a_long_k_gives_a_row_the_same_bits_at_any_row_count(k, blocked, monkeypatch):
+    """K above BF16_SAFE_K (the FFN's output layer: 1536): one GEMM per K-block, summed in fp32, so that a
     row's bits do not depend on how many rows share the call (one GEMM over K 1536 with AMX gave a few rows
-    in every hundred another bf16 rounding from 33 rows up); forward, plus and activated; near the one
-    rounding of the whole product."""
+    in every hundred another bf16 rounding from 33 rows up); or, on CPUs where one GEMM keeps them
+    (bf16_k_block() None: AVX512-BF16 without AMX), one GEMM, a single row going in as two; forward, plus and
+    activated; near the one rounding of the whole product."""
     from yoso_serve.model import linear
 
     if linear.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
-    assert k > linear.BF16_K_BLOCK
+    if not blocked and linear.bf16_k_block() is not None:
+        pytest.skip("this CPU runs long-K bf16 GEMMs per K-block (AMX, or no AVX512-BF16)")
+    monkeypatch.setattr(linear, "BF16_K_BLOCK", linear.BF16_SAFE_K if blocked else None)
+    assert k > linear.BF16_SAFE_K and linear.k_blocked(k) == blocked
     torch.manual_seed(0)
     lin = linear.Linear(k, 96)
     linear.set_dense_dtype(lin, "bf16")
@@ -269,6 +274,21 @@ def test_native_bf16_reads_the_cpu_flags(monkeypatch, tmp_path):
     assert linear.native_bf16()
     info.unlink()
     assert not linear.native_bf16()
+
+
+def test_bf16_k_block_reads_the_cpu_flags(monkeypatch, tmp_path):
+    """One GEMM over a long K only on AVX512-BF16 without AMX; K-blocks with AMX, without bf16, and unknown."""
+    from yoso_serve.model import linear
+
+    info = tmp_path / "cpuinfo"
+    real = linear.Path
+    monkeypatch.setattr(linear, "Path", lambda path: info if str(path) == "/proc/cpuinfo" else real(path))
+    for flags, block in (("fpu avx512f avx512_bf16 avx512_vnni", None), ("avx512_bf16 amx_bf16 amx_tile", 384),
+                         ("avx512_bf16 amx_tile", 384), ("fpu avx2 avx512f", 384)):
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        assert linear.bf16_k_block() == block, flags
+    info.unlink()
+    assert linear.bf16_k_block() == 384
 
 
 def test_bf16_dense_model_stays_near_fp32_and_row_independent():
