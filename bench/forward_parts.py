@@ -2,8 +2,8 @@
 each part timed around its own calls, in the dense dtypes asked for. The parts: the GEMMs (``torch._int_mm`` in
 int8, oneDNN's linear in bf16 and fp32), the attention core (YOSO with its norm and convolution), the C++ passes
 around the GEMMs (quantizing inputs per row; scaling int32 sums back, with the blocks' output LayerNorms in int8;
-FFN in's GELU and quantizing for FFN out in one pass; summing bf16 K-block parts), LayerNorm (in int8 only the
-embeddings'), and the rest (Python, views, embeddings, pooling).
+FFN in's GELU and quantizing for FFN out in one pass; adding bf16 outputs to the residual, with AMX K-block parts
+too), LayerNorm (in int8 only the embeddings'), and the rest (Python, views, embeddings, pooling).
 The medians of ``--repeats`` forwards, after two to warm up, with the server's heap settings (service/heap.py);
 prints a markdown table and writes a stacked-bar plot (docs/img/forward_parts.png).
 
@@ -37,7 +37,7 @@ DOC_IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
 PASSES = {"inputs quantized per row": ("quantize_rows",),
           "sums scaled back (bias, residual, int8: LayerNorm)": ("dequantize_rows",),
           "FFN in scaled back, GELU, quantized for FFN out": ("requantize_rows",),
-          "bf16 K-block parts summed": ("sum_parts",)}
+          "bf16 outputs plus the residual (with AMX: K-block parts)": ("sum_parts",)}
 
 
 class Clock:

@@ -205,3 +205,23 @@ def test_forward_parts_times_each_part_inside_the_forward_and_puts_everything_ba
     assert 0 < sum(s for s, _ in out["parts"].values()) <= out["forward"]
     text = forward_parts.table({("int8", 2, 40): out})
     assert "| GEMMs |" in text and "**forward**" in text
+
+
+def test_exact_bf16_sets_the_dot_products_against_the_fp32_tiles_in_alternated_processes(capsys, monkeypatch):
+    """bench/exact_bf16.py: each side in its own process (the switch is read once a process), the order
+    alternating by run; one markdown row per shape, the per-run ratios and their median."""
+    import pytest
+
+    import exact_bf16
+
+    seen = []
+    real = exact_bf16.one_side
+    monkeypatch.setattr(exact_bf16, "one_side", lambda dots, *a: seen.append(dots) or real(dots, *a))
+    try:
+        exact_bf16.main(["--shapes", "2x16", "1x40", "--runs", "2", "--repeats", "1"])
+    except SystemExit as stop:
+        pytest.skip(str(stop))
+    assert seen == [True, False, False, True]
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| 2 × 16", "| 1 × 40"]
+    assert all(r.endswith("× |") and len(r.split(" | ")[3].split(", ")) == 2 for r in rows[1:])
