@@ -95,7 +95,7 @@ class ServeSettings(BaseSettings):
         "kernels and the residual stream stay fp32). bf16 = bf16 inputs and weights, fp32 sums: about 1.5x the "
         "speed of a forward where the CPU has bf16 instructions (AVX512-BF16 or AMX), embeddings within about "
         "1e-3 of fp32 and retrieval unchanged (docs/benchmarks.md, \"Dense layers\"). int8 = per-channel int8 "
-        "weights, activations quantized per row (LayerNorm-fed layers smoothed), int32 sums; opt-in: 1.27-1.46x "
+        "weights, activations quantized per row (LayerNorm-fed layers smoothed), int32 sums; opt-in: 1.29-1.51x "
         "bf16's forward, 0.998-0.999 cosine to fp32 at hashes=auto, short-text recall@1 -0.012 and +0.003 of fp32's "
         "on two unseen corpora (docs/benchmarks.md, \"int8 GEMMs\"). auto = bf16 on such a CPU, else fp32.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
