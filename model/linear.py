@@ -79,6 +79,7 @@ def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return out.reshape(*x.shape[:-1], out.shape[-1])
     return ONEDNN_LINEAR(x, weight, bias, attr, [], algorithm)
 
+
 # Activations oneDNN applies inside the GEMM with aten's exact formula (bit-identical outputs; its tanh
 # GELU differs from aten's by up to 1.5e-4 relative, so those stay a separate pass).
 FUSED_ACTIVATIONS = {"gelu": ("gelu", "none"), "relu": ("relu", "")}

@@ -117,6 +117,7 @@ void exact_attention_t(const AttentionParams& a, int nthreads) {
       const T* xq = q + batch * a.q_stride[0] + head * a.q_stride[1];
       const T* xk = k + batch * a.k_stride[0] + head * a.k_stride[1];
       for (int64_t i = 0; i < real; ++i) keep[i] = kept == nullptr || kept[i] ? 1.f : 0.f;
+      const auto bits = [](const T* x) { return reinterpret_cast<const uint16_t*>(x); };  // read only when dots
       const T* xv = v + batch * a.v_stride[0] + head * a.v_stride[1];
       const float* values = vs.data();
       int64_t ldv = dv;
@@ -124,7 +125,6 @@ void exact_attention_t(const AttentionParams& a, int nthreads) {
         values = xv;
         ldv = a.v_stride[2];
       } else if (dots) {
-        const auto bits = [](const T* x) { return reinterpret_cast<const uint16_t*>(x); };
         simd::prepare_bf16_rows(bits(xq), a.q_stride[2], real, pairs, iq.data(), nullptr, 0, nullptr);
         simd::prepare_bf16_rows(bits(xk), a.k_stride[2], real, pairs, ik.data(), kp.data(), n, nullptr);
         if (dv % 2 == 0)
@@ -144,9 +144,9 @@ void exact_attention_t(const AttentionParams& a, int nthreads) {
       for (int64_t i0 = 0; i0 < n; i0 += kQueryBlock) {
         const int64_t rows = std::max<int64_t>(0, std::min(kQueryBlock, real - i0));
         if (rows > 0 && dots) {
-          const auto* bits = reinterpret_cast<const uint16_t*>(xq + i0 * a.q_stride[2]);
+          const uint16_t* rows_q = bits(xq + i0 * a.q_stride[2]);
           const auto cosines = [&](int64_t j0, int64_t cols, float* to) {
-            simd::cosines_bf16(bits, a.q_stride[2], iq.data() + i0, kp.data() + j0, n, ik.data() + j0, rows, pairs,
+            simd::cosines_bf16(rows_q, a.q_stride[2], iq.data() + i0, kp.data() + j0, n, ik.data() + j0, rows, pairs,
                                cols, to, kKeyBlock);
           };
           forward_block(cosines, values, ldv, dv, keep.data(), real, rows, a.hash_bits, tile.data(), acc.data());

@@ -60,7 +60,9 @@ template <int64_t D>
 YOSO_INLINE void finish_rows_body(const Rows& r, int64_t i0, int64_t i1, bool normalize, float eps,
                                   float* __restrict acc) {
   const int64_t d = D > 0 ? D : r.d, half = r.window / 2, window = r.window, n = r.n, ldv = r.ldv;
-  const float* __restrict v = r.v - r.v_first * ldv;  // row j of the values at v + j * ldv
+  const float* __restrict values = r.v;
+  const int64_t v_first = r.v_first;
+  const auto v = [=](int64_t j) { return values + (j - v_first) * ldv; };  // the values' row j
   const float* __restrict w = r.w;
   const uint8_t* keep = r.keep;
   if (normalize)
@@ -86,15 +88,15 @@ YOSO_INLINE void finish_rows_body(const Rows& r, int64_t i0, int64_t i1, bool no
     const int64_t first = i - half, last = i + 1 + half;
     if (i + 1 == i1) {  // a last row alone
       for (int64_t j = std::max<int64_t>(0, first); j < std::min(n, last); ++j)
-        if (kept(j)) add_tap<D>(a0, w[j - first], v + j * ldv, d);
+        if (kept(j)) add_tap<D>(a0, w[j - first], v(j), d);
     } else {
-      if (first >= 0 && kept(first)) add_tap<D>(a0, w[0], v + first * ldv, d);
+      if (first >= 0 && kept(first)) add_tap<D>(a0, w[0], v(first), d);
       for (int64_t j = std::max<int64_t>(0, first + 1); j < std::min(n, last); ++j)
         if (kept(j)) {
-          add_tap<D>(a0, w[j - first], v + j * ldv, d);
-          add_tap<D>(a1, w[j - first - 1], v + j * ldv, d);
+          add_tap<D>(a0, w[j - first], v(j), d);
+          add_tap<D>(a1, w[j - first - 1], v(j), d);
         }
-      if (last < n && kept(last)) add_tap<D>(a1, w[window - 1], v + last * ldv, d);
+      if (last < n && kept(last)) add_tap<D>(a1, w[window - 1], v(last), d);
 #pragma omp simd
       for (int64_t c = 0; c < d; ++c) row[r.ldo + c] += a1[c];
     }
