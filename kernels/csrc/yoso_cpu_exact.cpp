@@ -124,14 +124,13 @@ void exact_attention_t(const AttentionParams& a, int nthreads) {
       if constexpr (kWide) {
         values = xv;
         ldv = a.v_stride[2];
-      } else if (dots) {
-        simd::prepare_bf16_rows(bits(xq), a.q_stride[2], real, pairs, iq.data(), nullptr, 0, nullptr);
-        simd::prepare_bf16_rows(bits(xk), a.k_stride[2], real, pairs, ik.data(), kp.data(), n, nullptr);
-        if (dv % 2 == 0)
-          simd::prepare_bf16_rows(bits(xv), a.v_stride[2], real, dv / 2, nullptr, nullptr, 0, vs.data());
-      }
-      if (!kWide && !(dots && dv % 2 == 0))
+      } else {
         for (int64_t i = 0; i < real; ++i) widen(xv + i * a.v_stride[2], dv, vs.data() + i * dv);
+      }
+      if (dots) {
+        simd::prepare_bf16_rows(bits(xq), a.q_stride[2], real, pairs, iq.data(), nullptr, 0);
+        simd::prepare_bf16_rows(bits(xk), a.k_stride[2], real, pairs, ik.data(), kp.data(), n);
+      }
       for (int64_t i = 0; !dots && i < real; ++i) {
         const float* rq = widen(xq + i * a.q_stride[2], d, row.data());
         const float sq = inverse_norm(rq, d);

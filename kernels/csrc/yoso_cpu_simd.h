@@ -85,11 +85,10 @@ bool bf16_dots();
 // k[j][2p+1] << 16. The sum runs over the pairs in order, one lane each, so c[r][j] depends on neither rows nor cols.
 void cosines_bf16(const uint16_t* q, int64_t ldq, const float* iq, const uint32_t* kp, int64_t ldk, const float* ik,
                   int64_t rows, int64_t pairs, int64_t cols, float* c, int64_t ldc);
-// For rows of x (2 * pairs bf16 bits, row stride ldx), each optional: inv[r] = 1 / max(|x_r|, 1e-12), the squares
-// summed by the same dot products; kp[p * ldk + r] the row's pair p as cosines_bf16 reads keys; wide (rows,
-// 2 * pairs) the rows widened to fp32.
+// For rows of x (2 * pairs bf16 bits, row stride ldx): inv[r] = 1 / max(|x_r|, 1e-12), the squares summed by the
+// same dot products, and, when kp is given, kp[p * ldk + r] the row's pair p as cosines_bf16 reads keys.
 void prepare_bf16_rows(const uint16_t* x, int64_t ldx, int64_t rows, int64_t pairs, float* inv, uint32_t* kp,
-                       int64_t ldk, float* wide);
+                       int64_t ldk);
 
 // Which bodies run: "avx2" or "portable" (YOSO_CPU_PORTABLE=1 in the environment forces the latter).
 const char* level();

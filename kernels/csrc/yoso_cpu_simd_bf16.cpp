@@ -84,26 +84,17 @@ YOSO_BF16 void cosines_avx512(const uint16_t* q, int64_t ldq, const float* iq, c
 }
 
 // For rows of 2 * pairs bf16 values: inv[r] = 1 / max(|x_r|, 1e-12), the squares summed by the same dot products;
-// with kp the pairs also packed as the cosines read keys; with wide the rows widened to fp32 (row stride 2 * pairs).
+// with kp the pairs also packed as the cosines read keys.
 YOSO_BF16 void prepare_avx512(const uint16_t* x, int64_t ldx, int64_t rows, int64_t pairs, float* inv, uint32_t* kp,
-                              int64_t ldk, float* wide) {
+                              int64_t ldk) {
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t* row = x + r * ldx;
     __m512 sq = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p += 16) {
-      const __mmask16 m = lanes(pairs - p);
-      const __m512i xs = _mm512_maskz_loadu_epi32(m, row + 2 * p);
+      const __m512i xs = _mm512_maskz_loadu_epi32(lanes(pairs - p), row + 2 * p);
       sq = _mm512_dpbf16_ps(sq, (__m512bh)xs, (__m512bh)xs);
-      if (wide != nullptr) {
-        float* to = wide + r * 2 * pairs + 2 * p;
-        const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(xs));
-        const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(xs, 1));
-        const int64_t left = 2 * (pairs - p);
-        _mm512_mask_storeu_ps(to, lanes(left), _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)));
-        _mm512_mask_storeu_ps(to + 16, lanes(left - 16), _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
-      }
     }
-    if (inv != nullptr) inv[r] = 1.f / std::max(std::sqrt(_mm512_reduce_add_ps(sq)), 1e-12f);
+    inv[r] = 1.f / std::max(std::sqrt(_mm512_reduce_add_ps(sq)), 1e-12f);
     if (kp != nullptr)
       for (int64_t p = 0; p < pairs; ++p) std::memcpy(kp + p * ldk + r, row + 2 * p, sizeof(uint32_t));
   }
@@ -127,9 +118,9 @@ void cosines_bf16(const uint16_t* q, int64_t ldq, const float* iq, const uint32_
 }
 
 void prepare_bf16_rows(const uint16_t* x, int64_t ldx, int64_t rows, int64_t pairs, float* inv, uint32_t* kp,
-                       int64_t ldk, float* wide) {
+                       int64_t ldk) {
 #ifdef YOSO_HAVE_BF16_BODY
-  if (bf16_dots()) return prepare_avx512(x, ldx, rows, pairs, inv, kp, ldk, wide);
+  if (bf16_dots()) return prepare_avx512(x, ldx, rows, pairs, inv, kp, ldk);
 #endif
   no_bf16_dots();
 }
