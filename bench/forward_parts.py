@@ -1,5 +1,5 @@
 """Where one forward's time goes: the bundled model on random token ids at the served default (``hashes=auto``),
-each part timed around its own calls, in the dense dtypes asked for. The parts: the GEMMs (``torch._int_mm`` in
+each part timed around its own calls, in the dense dtypes asked for. The parts: the GEMMs (``kernels.int8_mm`` in
 int8, oneDNN's linear in bf16 and fp32), the attention core (YOSO with its norm and convolution), the C++ passes
 around the GEMMs (quantizing inputs per row; scaling int32 sums back, with the blocks' output LayerNorms in int8;
 FFN in's GELU and quantizing for FFN out in one pass; adding bf16 outputs to the residual, with AMX K-block parts
@@ -26,6 +26,7 @@ from tqdm import tqdm
 sys.path.append(str(Path(__file__).resolve().parent))
 from _sections import machine  # noqa: E402
 
+from yoso_serve.kernels import dense_int8  # noqa: E402
 from yoso_serve.kernels._build import cpu_extension  # noqa: E402
 from yoso_serve.model import default_model_dir, linear, load_pretrained  # noqa: E402
 from yoso_serve.model.attention.yoso import YosoAttentionCore  # noqa: E402
@@ -70,7 +71,7 @@ def patched(owner, name: str, value):
 def timing(clock: Clock) -> ExitStack:
     """Every part's calls routed through ``clock`` until the stack closes."""
     stack = ExitStack()
-    stack.enter_context(patched(torch, "_int_mm", clock.wrap("GEMMs", torch._int_mm)))
+    stack.enter_context(patched(dense_int8, "int8_mm", clock.wrap("GEMMs", dense_int8.int8_mm)))
     onednn = linear.ONEDNN_LINEAR
     if onednn is not None:
         gemm = clock.wrap("GEMMs", onednn)

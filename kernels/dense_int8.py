@@ -1,6 +1,12 @@
 """The int8 dense layers' arithmetic on CPU (``--dense-dtype int8``): each row of the input quantized on its own
-(optionally divided per channel by a smoothing vector first), oneDNN's int8 GEMM (``torch._int_mm``, exact int32
+(optionally divided per channel by a smoothing vector first), oneDNN's int8 GEMM (:func:`int8_mm`, exact int32
 sums), and the int32 sums scaled back, with the bias and a residual added.
+
+The GEMM (:func:`int8_mm`) takes one of two routes, :data:`INT8_GEMM`: ``torch._int_mm`` where the CPU has
+AVX-512 VNNI (oneDNN's s8 × s8 kernels; without VNNI torch runs it as plain loops, about 20x slower than fp32),
+else oneDNN's u8 × s8 quantized linear (``onednn::qlinear_pointwise``, the AVX2 kernels): the rows shifted to
+u8 by 128 and the weights quantized to ±63 (:func:`weight_levels`), so no pair of u8 × s8 products overflows the
+16-bit sums those kernels make without VNNI. Either way the int32 sums are exact.
 
 :func:`int8_linear` runs the two passes around the GEMM in C++ (csrc/yoso_cpu_quant.cpp), one pass each, where
 the extension is built; :func:`int8_linear_ref` is the same formula in PyTorch ops and the same bits (the C++
@@ -12,12 +18,75 @@ row and exact int32 sums, a row's bits never depend on the row count or on how t
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 MIN_ABS_MAX = 1e-12
+U8S8_WEIGHT_LEVELS = 63  # 2 · 255 · 63 < 2^15: a pair of u8 × s8 products fits the 16-bit sums of AVX2's kernels
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """The CPU's flags as ``cpuinfo`` lists them ([] where there is none: not Linux)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return []
+    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+
+
+def int8_gemm_route(flags: list[str] | None = None) -> str:
+    """"u8s8" on x86 CPUs with AVX2 and without AVX-512 VNNI (Zen 2 and 3, Haswell to Skylake), where
+    ``torch._int_mm`` runs as plain loops; "int_mm" elsewhere: with AVX-512 VNNI (Zen 4, Cascade Lake and later
+    Xeons: oneDNN's VNNI kernels), on CPUs whose flags are unknown, or where torch lacks the u8 route."""
+    flags = cpu_flags() if flags is None else flags
+    if "avx2" in flags and "avx512_vnni" not in flags and hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        return "u8s8"
+    return "int_mm"
+
+
+INT8_GEMM = int8_gemm_route()
+
+
+def int8_gemm() -> str:
+    """The int8 GEMM's route in this process, :data:`INT8_GEMM` ("int_mm" or "u8s8"): what /info shows."""
+    return INT8_GEMM
+
+
+def weight_levels() -> int:
+    """The largest |int8| a weight is quantized to on this route: 127, or 63 on the u8 route."""
+    return 127 if INT8_GEMM == "int_mm" else U8S8_WEIGHT_LEVELS
+
+
+def _u8s8_weight(weight_q: torch.Tensor) -> tuple | None:
+    """oneDNN's packed copy of ``weight_q`` (out, in) with unit scales and zero points, kept while the tensor lives;
+    None where a weight exceeds ±63 (those sums could overflow: :func:`int8_mm` takes ``_int_mm`` then). Kept on
+    the tensor itself until its data change."""
+    key = (0 if weight_q.is_inference() else weight_q._version, weight_q.data_ptr())
+    hit = getattr(weight_q, "_u8s8", None)
+    if hit is None or hit[0] != key:
+        fits = weight_q.numel() == 0 or int(weight_q.abs().max()) <= U8S8_WEIGHT_LEVELS
+        n = weight_q.shape[0]
+        packed = (torch.ops.onednn.qlinear_prepack(weight_q, None), torch.ones(n),
+                  torch.zeros(n, dtype=torch.long)) if fits else None
+        hit = weight_q._u8s8 = (key, packed)
+    return hit[1]
+
+
+def int8_mm(q: torch.Tensor, weight_q: torch.Tensor) -> torch.Tensor:
+    """q (R, K) int8 times weight_q (out, K) int8 transposed → (R, out) int32, exact, by :data:`INT8_GEMM`'s route.
+    On the u8 route the sums come back as fp32, exact (|sum| ≤ 128 · 63 · K < 2^24 for K ≤ 2080) and cast."""
+    packed = None
+    if (INT8_GEMM == "u8s8" and q.device.type == "cpu" and q.shape[-1] * 128 * U8S8_WEIGHT_LEVELS < 2 ** 24
+            and len(q) > 0):
+        packed = _u8s8_weight(weight_q)
+    if packed is None:
+        return torch._int_mm(q, weight_q.t())
+    u8 = q.view(torch.uint8).bitwise_xor(128)  # s8 + 128 as u8, undone by the zero point
+    out = torch.ops.onednn.qlinear_pointwise(u8, 1.0, 128, *packed, None, 1.0, 0, torch.float32, "none", [], "")
+    return out.to(torch.int32)
 
 
 class LayerNormArgs(NamedTuple):
@@ -54,12 +123,12 @@ def _check(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor) 
         raise ValueError(f"weight_scale must be ({weight_q.shape[0]},), got {tuple(weight_scale.shape)}")
 
 
-def int8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows (R, K) fp32 → (int8 (R, K), scale (R, 1) fp32): symmetric, each row on its own (scale max|row| / 127,
-    round half to even); a zero row keeps the scale MIN_ABS_MAX / 127. Weights (one row per output channel) and
-    activations are quantized alike."""
-    scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(MIN_ABS_MAX) / 127
-    return torch.round(rows / scale).clamp_(-127, 127).to(torch.int8), scale
+def int8_rows(rows: torch.Tensor, levels: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows (R, K) fp32 → (int8 (R, K), scale (R, 1) fp32): symmetric, each row on its own (scale max|row| /
+    ``levels``, round half to even); a zero row keeps the scale MIN_ABS_MAX / ``levels``. Weights (one row per output
+    channel; ``levels`` :func:`weight_levels`) and activations (127) are quantized alike."""
+    scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(MIN_ABS_MAX) / levels
+    return torch.round(rows / scale).clamp_(-levels, levels).to(torch.int8), scale
 
 
 def _scaled_back(acc: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -91,7 +160,7 @@ def int8_linear_ref(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch
     if smooth is not None:
         rows = rows / smooth
     q, scale = int8_rows(rows)
-    out = _scaled_back(torch._int_mm(q, weight_q.t()), scale, weight_scale, bias, start, gelu, norm)
+    out = _scaled_back(int8_mm(q, weight_q), scale, weight_scale, bias, start, gelu, norm)
     return out.to(_out_dtype(out_dtype)).view(*x.shape[:-1], weight_q.shape[0])
 
 
@@ -115,7 +184,7 @@ def _sums(ext, x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tens
     """The C++ quantizing pass and the int8 GEMM: (int32 sums (R, out), row scales (R, 1))."""
     _check(x, weight_q, weight_scale)
     q, scale = ext.quantize_rows(x.reshape(-1, x.shape[-1]).contiguous(), _vector(smooth))
-    return torch._int_mm(q, weight_q.t()), scale
+    return int8_mm(q, weight_q), scale
 
 
 def _extension(x: torch.Tensor, start: torch.Tensor | None, backend: str):
@@ -143,7 +212,7 @@ def int8_linear(x: torch.Tensor | Int8Rows, weight_q: torch.Tensor, weight_scale
         if smooth is not None:
             raise ValueError("an Int8Rows input is quantized already: it takes no smoothing vector")
         _check(x.q, weight_q, weight_scale)
-        acc, scale = torch._int_mm(x.q, weight_q.t()), x.scale
+        acc, scale = int8_mm(x.q, weight_q), x.scale
         ext = _extension(x.scale, start, backend)
     else:
         ext = _extension(x, start, backend)

@@ -1,5 +1,5 @@
 """Int8 dense layers on CPU (``--dense-dtype int8``): per-output-channel int8 weights, activations quantized
-per row as they come, products through torch's ``_int_mm`` (oneDNN's int8 GEMM, int32 sums); the arithmetic
+per row as they come, products through oneDNN's int8 GEMM (int32 sums); the arithmetic
 is :func:`yoso_serve.kernels.int8_linear`.
 
 The layers fed by a LayerNorm (Q, K, V, FFN in) are smoothed (SmoothQuant's migration): in those inputs a few
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from yoso_serve.kernels import LayerNormArgs, int8_linear, int8_linear_rows, int8_rows
+from yoso_serve.kernels import LayerNormArgs, int8_linear, int8_linear_rows, int8_rows, weight_levels
 
 SMOOTH_ALPHA = 0.5  # how much of a channel's range moves into the weights (SmoothQuant's α)
 CALIBRATION = (16, 64, 0)  # texts, tokens each, seed of the random tokens the ranges are read from
@@ -26,16 +26,17 @@ CALIBRATION = (16, 64, 0)  # texts, tokens each, seed of the random tokens the r
 
 def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """weight (out, in) fp32, times ``smooth`` (in,) per input channel if given → (int8 (out, in), scale (out,)
-    fp32): symmetric, one scale per output channel."""
+    fp32): symmetric, one scale per output channel, to ±127 or ±63 as the CPU's int8 GEMM takes them
+    (:func:`yoso_serve.kernels.weight_levels`)."""
     w = weight.detach().float() if smooth is None else weight.detach().float() * smooth
-    q, scale = int8_rows(w)
+    q, scale = int8_rows(w, weight_levels())
     return q, scale[:, 0]
 
 
 def int8_weights(lin: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
     """``lin``'s weights times its smoothing vector, quantized (:func:`quantize_weight`), kept on ``lin`` until the
-    weights or the vector change (the cache holds the vector, so its id is not reused)."""
-    key = (lin.weight._version, lin.weight.data_ptr(), id(lin.int8_smooth))
+    weights, the vector or the GEMM's route change (the cache holds the vector, so its id is not reused)."""
+    key = (lin.weight._version, lin.weight.data_ptr(), id(lin.int8_smooth), weight_levels())
     if getattr(lin, "_int8_key", None) != key:
         lin._int8_weight = (*quantize_weight(lin.weight, lin.int8_smooth), lin.int8_smooth)
         lin._int8_key = key

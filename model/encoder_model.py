@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from yoso_serve.kernels import backend_info
-from yoso_serve.kernels import exact_bf16_dots, int8_hashing_body
+from yoso_serve.kernels import exact_bf16_dots, int8_gemm, int8_hashing_body
 
 from .attention.yoso import exact_kernel_info
 from .config import POOLINGS, EncoderConfig
@@ -67,7 +67,9 @@ class EncoderModel(nn.Module):
         (``hashing``: "fp32", or "int8" with the C++ body that runs it) and the dense layers' CPU GEMMs
         (``dense``: "fp32", "bf16" or "int8", see ``set_dense_dtype``) and exact mode's kernel (``exact_kernel``: "op"
         or "flex", see ``set_exact_kernel``; with bf16 or int8 dense layers on the C++ backend ``exact_bf16_dots``,
-        whether that kernel takes their bf16 q and k by AVX-512 BF16 dot products): what /info shows."""
+        whether that kernel takes their bf16 q and k by AVX-512 BF16 dot products; with int8 ``int8_gemm``, the int8
+        GEMM's route, "int_mm" or "u8s8" with ±63 weights, :func:`yoso_serve.kernels.int8_gemm`): what
+        /info shows."""
         info = backend_info()
         info["hashing"] = "int8" if self.config.hash_int8 else "fp32"
         info["dense"] = next((d for d in ("bf16", "int8") if any(getattr(m, d, False) for m in self.modules())),
@@ -78,6 +80,8 @@ class EncoderModel(nn.Module):
             info["int8_hashing_body"] = int8_hashing_body()
         if info["dense"] != "fp32" and info.get("backend") == "cpp":  # bf16 q, k reach exact mode's kernel
             info["exact_bf16_dots"] = exact_bf16_dots()
+        if info["dense"] == "int8":
+            info["int8_gemm"] = int8_gemm()
         return info
 
     @property

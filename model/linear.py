@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from yoso_serve.kernels import LayerNormArgs, sum_parts
+from yoso_serve.kernels import LayerNormArgs, cpu_flags, sum_parts
 
 from .dense_int8 import int8_linear, int8_weights, smooth_int8
 
@@ -45,11 +45,7 @@ BF16_SAFE_K = 384
 
 def _cpu_flags() -> list[str]:
     """/proc/cpuinfo's flags ([] where there is none: not Linux)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return cpu_flags(Path("/proc/cpuinfo"))
 
 
 def bf16_k_block() -> int | None:

@@ -186,7 +186,7 @@ def test_forward_parts_times_each_part_inside_the_forward_and_puts_everything_ba
     import torch
 
     import forward_parts
-    from yoso_serve.kernels import cpu_kernels_built
+    from yoso_serve.kernels import cpu_kernels_built, dense_int8
     from yoso_serve.model import default_model_dir, linear, load_pretrained
 
     if not cpu_kernels_built():
@@ -195,9 +195,9 @@ def test_forward_parts_times_each_part_inside_the_forward_and_puts_everything_ba
         pytest.skip("needs the C++ extension")
     model = load_pretrained(default_model_dir()).eval()
     linear.set_dense_dtype(model, "int8")
-    before = torch._int_mm, linear.ONEDNN_LINEAR, torch.nn.LayerNorm.forward
+    before = dense_int8.int8_mm, linear.ONEDNN_LINEAR, torch.nn.LayerNorm.forward
     out = forward_parts.parts(model, 2, 40, repeats=1)
-    assert (torch._int_mm, linear.ONEDNN_LINEAR, torch.nn.LayerNorm.forward) == before
+    assert (dense_int8.int8_mm, linear.ONEDNN_LINEAR, torch.nn.LayerNorm.forward) == before
     calls = {label: n for label, (_, n) in out["parts"].items()}
     # the blocks' output norms run in the int8 scale-back pass: only the embeddings' is a LayerNorm call
     assert calls["GEMMs"] == 4 * 6 and calls["attention"] == 6 and calls["LayerNorm"] == 1

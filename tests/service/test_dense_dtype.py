@@ -75,7 +75,7 @@ def test_bf16_default_model_gives_a_text_the_same_bits_in_a_batch_of_any_size(de
 
 def test_int8_default_model_gives_a_text_the_same_bits_in_a_batch_of_any_size(default_dir, serve):
     """Int8 dense layers quantize each row on its own and sum in int32: a text's bits in a batch of 2, 8 or
-    24 texts are its bits alone, and /info says int8."""
+    24 texts are its bits alone, and /info says int8 and which GEMM route serves it."""
     texts = [SHORT, LONG, "stock prices fell sharply today", "a cat sleeps on the sofa"]
 
     async def main():
@@ -87,6 +87,9 @@ def test_int8_default_model_gives_a_text_the_same_bits_in_a_batch_of_any_size(de
 
     info, alone, batches = asyncio.run(main())
     assert info["backend"]["dense"] == "int8"
+    from yoso_serve.kernels import int8_gemm
+
+    assert info["backend"]["int8_gemm"] == int8_gemm() in ("int_mm", "u8s8")
     for batch in batches:
         for i, row in enumerate(batch):
             assert np.array_equal(np.array(row), np.array(alone[i % len(texts)]))
@@ -98,7 +101,7 @@ def test_fp32_server_says_so(tiny_dir, serve):
             return (await c.get("/info")).json(), await c.post("/embed", json={"inputs": SHORT})
 
     info, r = asyncio.run(main())
-    assert info["backend"]["dense"] == "fp32"
+    assert info["backend"]["dense"] == "fp32" and "int8_gemm" not in info["backend"]
     np.testing.assert_allclose(r.json()[0], direct(tiny_dir, SHORT, "fp32"), rtol=0, atol=1e-6)
 
 
