@@ -1,5 +1,5 @@
 """Where one forward's time goes: the bundled model on random token ids at the served default (``hashes=auto``),
-each part timed around its own calls, in the dense dtypes asked for. The parts: the GEMMs (``kernels.int8_mm`` in
+each part timed around its own calls, in the dense dtypes asked for. The parts: the GEMMs (``kernels.int8_sums`` in
 int8, oneDNN's linear in bf16 and fp32), the attention core (YOSO with its norm and convolution), the C++ passes
 around the GEMMs (quantizing inputs per row; scaling int32 sums back, with the blocks' output LayerNorms in int8;
 FFN in's GELU and quantizing for FFN out in one pass; adding bf16 outputs to the residual, with AMX K-block parts
@@ -71,7 +71,7 @@ def patched(owner, name: str, value):
 def timing(clock: Clock) -> ExitStack:
     """Every part's calls routed through ``clock`` until the stack closes."""
     stack = ExitStack()
-    stack.enter_context(patched(dense_int8, "int8_mm", clock.wrap("GEMMs", dense_int8.int8_mm)))
+    stack.enter_context(patched(dense_int8, "int8_sums", clock.wrap("GEMMs", dense_int8.int8_sums)))
     onednn = linear.ONEDNN_LINEAR
     if onednn is not None:
         gemm = clock.wrap("GEMMs", onednn)

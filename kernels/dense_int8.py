@@ -1,6 +1,6 @@
 """The int8 dense layers' arithmetic on CPU (``--dense-dtype int8``): each row of the input quantized on its own
-(optionally divided per channel by a smoothing vector first), oneDNN's int8 GEMM (:func:`int8_mm`, exact int32
-sums), and the int32 sums scaled back, with the bias and a residual added.
+(optionally divided per channel by a smoothing vector first), oneDNN's int8 GEMM (:func:`int8_sums`, exact integer
+sums), and the sums scaled back, with the bias and a residual added.
 
 The GEMM (:func:`int8_mm`) takes one of two routes, :data:`INT8_GEMM`: ``torch._int_mm`` where the CPU has
 AVX-512 VNNI (oneDNN's s8 × s8 kernels; without VNNI torch runs it as plain loops, about 20x slower than fp32),
@@ -76,8 +76,13 @@ def _u8s8_weight(weight_q: torch.Tensor) -> tuple | None:
 
 
 def int8_mm(q: torch.Tensor, weight_q: torch.Tensor) -> torch.Tensor:
-    """q (R, K) int8 times weight_q (out, K) int8 transposed → (R, out) int32, exact, by :data:`INT8_GEMM`'s route.
-    On the u8 route the sums come back as fp32, exact (|sum| ≤ 128 · 63 · K < 2^24 for K ≤ 2080) and cast."""
+    """q (R, K) int8 times weight_q (out, K) int8 transposed → (R, out) int32, exact (:func:`int8_sums`, cast)."""
+    return int8_sums(q, weight_q).to(torch.int32)
+
+
+def int8_sums(q: torch.Tensor, weight_q: torch.Tensor) -> torch.Tensor:
+    """:func:`int8_mm`'s exact sums as the route gives them: int32, or on the u8 route fp32 holding the integers
+    (|sum| ≤ 128 · 63 · K < 2^24 for K ≤ 2080), which the C++ passes read as they are (no pass to cast them)."""
     packed = None
     if (INT8_GEMM == "u8s8" and q.device.type == "cpu" and q.shape[-1] * 128 * U8S8_WEIGHT_LEVELS < 2 ** 24
             and len(q) > 0):
@@ -85,8 +90,7 @@ def int8_mm(q: torch.Tensor, weight_q: torch.Tensor) -> torch.Tensor:
     if packed is None:
         return torch._int_mm(q, weight_q.t())
     u8 = q.view(torch.uint8).bitwise_xor(128)  # s8 + 128 as u8, undone by the zero point
-    out = torch.ops.onednn.qlinear_pointwise(u8, 1.0, 128, *packed, None, 1.0, 0, torch.float32, "none", [], "")
-    return out.to(torch.int32)
+    return torch.ops.onednn.qlinear_pointwise(u8, 1.0, 128, *packed, None, 1.0, 0, torch.float32, "none", [], "")
 
 
 class LayerNormArgs(NamedTuple):
@@ -160,7 +164,7 @@ def int8_linear_ref(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch
     if smooth is not None:
         rows = rows / smooth
     q, scale = int8_rows(rows)
-    out = _scaled_back(int8_mm(q, weight_q), scale, weight_scale, bias, start, gelu, norm)
+    out = _scaled_back(int8_sums(q, weight_q), scale, weight_scale, bias, start, gelu, norm)
     return out.to(_out_dtype(out_dtype)).view(*x.shape[:-1], weight_q.shape[0])
 
 
@@ -184,7 +188,7 @@ def _sums(ext, x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tens
     """The C++ quantizing pass and the int8 GEMM: (int32 sums (R, out), row scales (R, 1))."""
     _check(x, weight_q, weight_scale)
     q, scale = ext.quantize_rows(x.reshape(-1, x.shape[-1]).contiguous(), _vector(smooth))
-    return int8_mm(q, weight_q), scale
+    return int8_sums(q, weight_q), scale
 
 
 def _extension(x: torch.Tensor, start: torch.Tensor | None, backend: str):
@@ -212,7 +216,7 @@ def int8_linear(x: torch.Tensor | Int8Rows, weight_q: torch.Tensor, weight_scale
         if smooth is not None:
             raise ValueError("an Int8Rows input is quantized already: it takes no smoothing vector")
         _check(x.q, weight_q, weight_scale)
-        acc, scale = int8_mm(x.q, weight_q), x.scale
+        acc, scale = int8_sums(x.q, weight_q), x.scale
         ext = _extension(x.scale, start, backend)
     else:
         ext = _extension(x, start, backend)

@@ -195,9 +195,9 @@ def test_forward_parts_times_each_part_inside_the_forward_and_puts_everything_ba
         pytest.skip("needs the C++ extension")
     model = load_pretrained(default_model_dir()).eval()
     linear.set_dense_dtype(model, "int8")
-    before = dense_int8.int8_mm, linear.ONEDNN_LINEAR, torch.nn.LayerNorm.forward
+    before = dense_int8.int8_sums, linear.ONEDNN_LINEAR, torch.nn.LayerNorm.forward
     out = forward_parts.parts(model, 2, 40, repeats=1)
-    assert (dense_int8.int8_mm, linear.ONEDNN_LINEAR, torch.nn.LayerNorm.forward) == before
+    assert (dense_int8.int8_sums, linear.ONEDNN_LINEAR, torch.nn.LayerNorm.forward) == before
     calls = {label: n for label, (_, n) in out["parts"].items()}
     # the blocks' output norms run in the int8 scale-back pass: only the embeddings' is a LayerNorm call
     assert calls["GEMMs"] == 4 * 6 and calls["attention"] == 6 and calls["LayerNorm"] == 1

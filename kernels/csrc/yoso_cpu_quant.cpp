@@ -95,12 +95,15 @@ void quantize_block(const float* __restrict x, const float* __restrict smooth, i
   }
 }
 
-YOSO_SIMD_CLONES
-void dequantize_block(const int32_t* __restrict acc, const float* __restrict scale, const float* __restrict col,
-                      const float* __restrict bias, const float* __restrict start, float* __restrict out,
-                      int64_t r0, int64_t r1, int64_t n, bool gelu) {
+// Rows [r0, r1) of the sums scaled back. A is the sums' type: int32_t, or float holding the exact integers (the u8 x s8
+// route's output, kernels/dense_int8.py), which converts to the same floats.
+template <typename A>
+YOSO_QUANT_INLINE void dequantize_body(const A* __restrict acc, const float* __restrict scale,
+                                       const float* __restrict col, const float* __restrict bias,
+                                       const float* __restrict start, float* __restrict out, int64_t r0, int64_t r1,
+                                       int64_t n, bool gelu) {
   for (int64_t r = r0; r < r1; ++r) {
-    const int32_t* __restrict a = acc + r * n;
+    const A* __restrict a = acc + r * n;
     float* __restrict o = out + r * n;
     const float s = scale[r];
 #pragma omp simd
@@ -120,6 +123,34 @@ void dequantize_block(const int32_t* __restrict acc, const float* __restrict sca
     }
   }
 }
+
+YOSO_SIMD_CLONES
+void dequantize_block(const int32_t* __restrict acc, const float* __restrict scale, const float* __restrict col,
+                      const float* __restrict bias, const float* __restrict start, float* __restrict out,
+                      int64_t r0, int64_t r1, int64_t n, bool gelu) {
+  dequantize_body(acc, scale, col, bias, start, out, r0, r1, n, gelu);
+}
+
+YOSO_SIMD_CLONES
+void dequantize_block(const float* __restrict acc, const float* __restrict scale, const float* __restrict col,
+                      const float* __restrict bias, const float* __restrict start, float* __restrict out,
+                      int64_t r0, int64_t r1, int64_t n, bool gelu) {
+  dequantize_body(acc, scale, col, bias, start, out, r0, r1, n, gelu);
+}
+
+// The sums' rows from r, typed as they are (int32, or float holding exact integers), scaled back.
+struct Sums {
+  const int32_t* i;
+  const float* f;
+  void scale_back(int64_t r, const float* scale, const float* col, const float* bias, const float* start,
+                  float* out, int64_t rows, int64_t n, bool gelu) const {
+    if (i != nullptr) {
+      dequantize_block(i + r * n, scale, col, bias, start, out, 0, rows, n, gelu);
+    } else {
+      dequantize_block(f + r * n, scale, col, bias, start, out, 0, rows, n, gelu);
+    }
+  }
+};
 
 // nn.LayerNorm of rows [r0, r1) of x (N columns) in place: (x - mean) / sqrt(var + eps) * weight + bias (bias may
 // be null), mean and biased variance over the row, two passes over it while it is in cache. Sums are vector
@@ -193,10 +224,13 @@ const float* row_vector(const c10::optional<torch::Tensor>& t, const char* name,
   return t->data_ptr<float>();
 }
 
-// The int32 sums of a GEMM (R, N), their row scales (R, 1), column scales (N) and bias (N) checked; the bias or null.
+// The sums of a GEMM (R, N) (int32, or float32 holding exact integers), their row scales (R, 1), column scales (N) and
+// bias (N) checked; the bias or null.
 const float* check_sums(const torch::Tensor& acc, const torch::Tensor& scale, const torch::Tensor& col_scale,
                         const c10::optional<torch::Tensor>& bias) {
-  check_tensor(acc, "acc", at::kInt, 2);
+  YOSO_CHECK(acc.scalar_type() == at::kInt || acc.scalar_type() == at::kFloat, "acc must be int32 or float32, got ",
+             c10::toString(acc.scalar_type()));
+  check_tensor(acc, "acc", acc.scalar_type(), 2);
   const int64_t rows = acc.size(0), n = acc.size(1);
   check_tensor(scale, "scale", at::kFloat, 2);
   YOSO_CHECK(scale.size(0) == rows && scale.size(1) == 1, "scale must be (R, 1) = (", rows, ", 1), got ",
@@ -204,6 +238,11 @@ const float* check_sums(const torch::Tensor& acc, const torch::Tensor& scale, co
   check_tensor(col_scale, "col_scale", at::kFloat, 1);
   YOSO_CHECK(col_scale.size(0) == n, "col_scale must be (N,) = (", n, ",), got ", col_scale.sizes());
   return row_vector(bias, "bias", n);
+}
+
+Sums sums(const torch::Tensor& acc) {
+  if (acc.scalar_type() == at::kInt) return {acc.data_ptr<int32_t>(), nullptr};
+  return {nullptr, acc.data_ptr<float>()};
 }
 
 torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& scale, const torch::Tensor& col_scale,
@@ -220,13 +259,14 @@ torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& sca
   const float feps = float(eps);
   torch::Tensor out = torch::empty({rows, n}, scale.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   if (rows == 0 || n == 0) return out;
-  const int32_t* ap = acc.data_ptr<int32_t>();
+  const Sums ap = sums(acc);
   const float* sp = scale.data_ptr<float>();
   const float* cp = col_scale.data_ptr<float>();
   run_without_gil([&] {
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
       if (!bf16) {
-        dequantize_block(ap, sp, cp, bp, stp, out.data_ptr<float>(), r0, r1, n, gelu);
+        float* op = out.data_ptr<float>() + r0 * n;
+        ap.scale_back(r0, sp + r0, cp, bp, stp == nullptr ? nullptr : stp + r0 * n, op, r1 - r0, n, gelu);
         if (nw != nullptr) layer_norm_block(out.data_ptr<float>(), r0, r1, n, nw, nb, feps);
         return;
       }
@@ -234,8 +274,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& sca
       uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
       std::vector<float> buf(n);
       for (int64_t r = r0; r < r1; ++r) {
-        dequantize_block(ap + r * n, sp + r, cp, bp, stp == nullptr ? nullptr : stp + r * n, buf.data(), 0, 1, n,
-                         gelu);
+        ap.scale_back(r, sp + r, cp, bp, stp == nullptr ? nullptr : stp + r * n, buf.data(), 1, n, gelu);
         if (nw != nullptr) layer_norm_block(buf.data(), 0, 1, n, nw, nb, feps);
         to_bf16(buf.data(), n, op + r * n);
       }
@@ -256,7 +295,7 @@ std::vector<torch::Tensor> requantize_rows(const torch::Tensor& acc, const torch
   torch::Tensor q_scale = torch::empty({rows, 1}, scale.options());
   if (rows == 0) return {q, q_scale};
   if (n == 0) return {q, q_scale.fill_(kMinAbsMax / 127.f)};  // quantize_rows' scale of an empty row
-  const int32_t* ap = acc.data_ptr<int32_t>();
+  const Sums ap = sums(acc);
   const float* sp = scale.data_ptr<float>();
   const float* cp = col_scale.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
@@ -265,7 +304,7 @@ std::vector<torch::Tensor> requantize_rows(const torch::Tensor& acc, const torch
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t r0, int64_t r1) {
       std::vector<float> buf(n);
       for (int64_t r = r0; r < r1; ++r) {
-        dequantize_block(ap + r * n, sp + r, cp, bp, nullptr, buf.data(), 0, 1, n, gelu);
+        ap.scale_back(r, sp + r, cp, bp, nullptr, buf.data(), 1, n, gelu);
         quantize_block(buf.data(), nullptr, qp + r * n, qsp + r, 0, 1, n, nullptr);
       }
     });

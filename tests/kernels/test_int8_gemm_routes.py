@@ -83,3 +83,25 @@ def test_int8_linear_on_each_route_keeps_a_rows_bits_and_its_pytorch_twins():
             dense_int8.INT8_GEMM = saved
     # the input's int8 step (its outlier channel) dominates: ±63 weights add little to the error
     assert errors["int_mm"] < 0.04 and errors["int_mm"] < errors["u8s8"] < 1.25 * errors["int_mm"], errors
+
+
+def test_the_cpp_passes_read_fp32_sums_as_the_int32_ones_and_name_the_types_they_take(ext):
+    """The u8 route's fp32 sums (exact integers) go to the C++ passes as they are: the bits of the int32 sums."""
+    q, w = operands(37, 384, 1536, 63, seed=5)
+    acc = q.long() @ w.long().t()
+    gen = torch.Generator().manual_seed(6)
+    scale, col = torch.rand(37, 1, generator=gen) * 1e-2, torch.rand(1536, generator=gen) * 1e-2
+    bias = torch.randn(1536, generator=gen)
+    start = torch.randn(37, 1536, generator=gen)
+    for gelu, bf16 in ((False, False), (True, False), (False, True)):
+        as_int = ext.dequantize_rows(acc.int(), scale, col, bias, start, gelu, bf16, None, None, 1e-12)
+        assert torch.equal(ext.dequantize_rows(acc.float(), scale, col, bias, start, gelu, bf16, None, None, 1e-12),
+                           as_int)
+    norm = torch.rand(1536) + 0.5, torch.randn(1536)
+    assert torch.equal(ext.dequantize_rows(acc.float(), scale, col, bias, None, False, False, *norm, 1e-12),
+                       ext.dequantize_rows(acc.int(), scale, col, bias, None, False, False, *norm, 1e-12))
+    for a, b in zip(ext.requantize_rows(acc.float(), scale, col, bias, True),
+                    ext.requantize_rows(acc.int(), scale, col, bias, True)):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="acc must be int32 or float32, got Long"):
+        ext.dequantize_rows(acc, scale, col, bias, None, False, False, None, None, 1e-12)
