@@ -53,8 +53,8 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # headers hold structs, declarations and a few inline helpers: ninja's dependency files rebuild what
 # includes a changed one.
 _SOURCES = [_CSRC / f"yoso_cpu{part}.cpp"
-            for part in ("", "_fused", "_finish", "_quant", "_kernels", "_weighted", "_simd", "_simd_i8", "_simd_bf16",
-                         "_exact")]
+            for part in ("", "_fused", "_finish", "_quant", "_parts", "_kernels", "_weighted", "_simd", "_simd_i8",
+                         "_simd_bf16", "_exact")]
 _EXTENSION_NAME = "yoso_serve_cpu"
 
 logger = logging.getLogger("yoso_serve.kernels")

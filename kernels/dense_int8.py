@@ -6,7 +6,7 @@ The GEMM (:func:`int8_mm`) takes one of two routes, :data:`INT8_GEMM`: ``torch._
 AVX-512 VNNI (oneDNN's s8 × s8 kernels; without VNNI torch runs it as plain loops, about 20x slower than fp32),
 else oneDNN's u8 × s8 quantized linear (``onednn::qlinear_pointwise``, the AVX2 kernels): the rows shifted to
 u8 by 128 and the weights quantized to ±63 (:func:`weight_levels`), so no pair of u8 × s8 products overflows the
-16-bit sums those kernels make without VNNI. Either way the int32 sums are exact.
+16-bit sums those kernels make without VNNI. Either way the sums are exact integers.
 
 :func:`int8_linear` runs the two passes around the GEMM in C++ (csrc/yoso_cpu_quant.cpp), one pass each, where
 the extension is built; :func:`int8_linear_ref` is the same formula in PyTorch ops and the same bits (the C++
@@ -67,7 +67,9 @@ def _u8s8_weight(weight_q: torch.Tensor) -> tuple | None:
     key = (0 if weight_q.is_inference() else weight_q._version, weight_q.data_ptr())
     hit = getattr(weight_q, "_u8s8", None)
     if hit is None or hit[0] != key:
-        fits = weight_q.numel() == 0 or int(weight_q.abs().max()) <= U8S8_WEIGHT_LEVELS
+        # not abs(): int8's -128 has none; it is past ±63 too
+        lo, hi = (int(v) for v in weight_q.aminmax()) if weight_q.numel() else (0, 0)
+        fits = -U8S8_WEIGHT_LEVELS <= lo and hi <= U8S8_WEIGHT_LEVELS
         n = weight_q.shape[0]
         packed = (torch.ops.onednn.qlinear_prepack(weight_q, None), torch.ones(n),
                   torch.zeros(n, dtype=torch.long)) if fits else None
@@ -89,7 +91,7 @@ def int8_sums(q: torch.Tensor, weight_q: torch.Tensor) -> torch.Tensor:
         packed = _u8s8_weight(weight_q)
     if packed is None:
         return torch._int_mm(q, weight_q.t())
-    u8 = q.view(torch.uint8).bitwise_xor(128)  # s8 + 128 as u8, undone by the zero point
+    u8 = q.contiguous().view(torch.uint8).bitwise_xor(128)  # s8 + 128 as u8, undone by the zero point
     return torch.ops.onednn.qlinear_pointwise(u8, 1.0, 128, *packed, None, 1.0, 0, torch.float32, "none", [], "")
 
 
@@ -185,7 +187,8 @@ def _vector(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _sums(ext, x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
           smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The C++ quantizing pass and the int8 GEMM: (int32 sums (R, out), row scales (R, 1))."""
+    """The C++ quantizing pass and the int8 GEMM: (exact sums (R, out) as :func:`int8_sums` gives them, row scales
+    (R, 1))."""
     _check(x, weight_q, weight_scale)
     q, scale = ext.quantize_rows(x.reshape(-1, x.shape[-1]).contiguous(), _vector(smooth))
     return int8_sums(q, weight_q), scale

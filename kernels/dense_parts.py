@@ -3,7 +3,7 @@
 A bf16 GEMM over a long K runs as one GEMM per K-block (model/linear.py's ``BF16_K_BLOCK``), each giving bf16,
 summed in fp32 in a fixed order after the residual ``start``: :func:`sum_parts_ref` in PyTorch ops made one pass
 over memory per part, with the fp32 sum read and written each time (about 1.9 ms of a (4096 × 1536) → 384 layer
-on 2 cores, AMD EPYC). :func:`sum_parts` makes it one pass in C++ (csrc/yoso_cpu_quant.cpp) where the extension
+on 2 cores, AMD EPYC). :func:`sum_parts` makes it one pass in C++ (csrc/yoso_cpu_parts.cpp) where the extension
 is built: the same fp32 additions in the same order, so the same bits.
 """
 

@@ -43,6 +43,7 @@ void register_finish_ops(pybind11::module_& m);
 // yoso_cpu_quant.cpp: quantize_rows, dequantize_rows (around the int8 dense layers' GEMM) and sum_parts
 // (the bf16 dense layers' K-block outputs summed after the residual)
 void register_quant_ops(pybind11::module_& m);
+void register_parts_ops(pybind11::module_& m);
 
 // yoso_check.h's message pieces: numbers by std::to_string / snprintf, never through std::ostream.
 namespace yoso {
@@ -295,5 +296,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_ops(m);   // yoso_cpu_fused.cpp
   register_finish_ops(m);  // yoso_cpu_finish.cpp
   register_quant_ops(m);   // yoso_cpu_quant.cpp
+  register_parts_ops(m);   // yoso_cpu_parts.cpp
   m.def("openmp_max_threads", &openmp_max_threads, "threads the kernels run on (torch's intra-op count)");
 }

@@ -1,17 +1,16 @@
 // The passes around the dense layers' GEMMs, registered into the module by yoso_cpu.cpp's PYBIND11_MODULE. Two
-// around an int8 GEMM (--dense-dtype int8; the GEMM itself is oneDNN's torch._int_mm, int32 sums):
+// around an int8 GEMM (--dense-dtype int8; the GEMM itself is oneDNN's, kernels/dense_int8.py's int8_sums):
 //
 //   quantize_rows(x (R, K) fp32, smooth (K) fp32 or None) -> [q (R, K) int8, scale (R, 1) fp32]
 //     y = x / smooth (per channel, if given); scale = max(max|y|, 1e-12) / 127; q = clamp(round(y / scale), +-127)
-//   dequantize_rows(acc (R, N) int32, scale (R, 1), col_scale (N), bias (N) or None, start (R, N) or None)
+//   dequantize_rows(acc (R, N) int32 or fp32 holding integers, scale (R, 1), col_scale (N), bias (N) or None,
+//                   start (R, N) or None)
 //     -> (R, N) fp32 = float(acc) * scale * col_scale + bias + start, in that order; gelu=True: then GELU;
 //     then LayerNorm (norm_weight, norm_bias, eps) if asked: the output sub-block's norm in the same pass;
 //     bf16=True: that fp32 result rounded to bf16 (nearest, ties to even, as torch's .bfloat16())
 //   requantize_rows(acc, scale, col_scale, bias or None, gelu) -> [q, scale]: the two above in one pass (an int8
 //     layer's output straight into the next int8 layer's input)
-// and one after bf16 GEMMs (--dense-dtype bf16), whose outputs are bf16:
-//   sum_parts(parts [(R, N) bf16 or fp32, one dtype], start (R, N) fp32 or None)
-//     -> (R, N) fp32 = ((start + parts[0]) + parts[1]) + ..., each part widened to fp32 (no start: parts[0] + ...)
+// (the sum after bf16 GEMMs, sum_parts, is in yoso_cpu_parts.cpp)
 //
 // The same IEEE operations, in the same order, as the PyTorch ops they replace (the references in
 // kernels/dense_int8.py and kernels/dense_parts.py: division, not a reciprocal's product; round half to even),
@@ -27,11 +26,27 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "yoso_check.h"
 #include "yoso_cpu_simd.h"  // bf16_bits, to_bf16
+
+// Shared with yoso_cpu_parts.cpp (declared there): rows a task takes for a width, and the residual rows checked.
+namespace yoso::rows {
+
+// Rows per parallel task: about 32k elements.
+int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, width)); }
+
+// The residual rows added to an output of (rows, n), checked, or null.
+const float* start_rows(const c10::optional<torch::Tensor>& start, int64_t rows, int64_t n) {
+  if (!start.has_value()) return nullptr;
+  check_tensor(*start, "start", at::kFloat, 2);
+  YOSO_CHECK(start->size(0) == rows && start->size(1) == n, "start must be (R, N) = (", rows, ", ", n, "), got ",
+             start->sizes());
+  return start->data_ptr<float>();
+}
+
+}  // namespace yoso::rows
 
 namespace {
 
@@ -179,18 +194,9 @@ void layer_norm_block(float* __restrict x, int64_t r0, int64_t r1, int64_t n, co
   }
 }
 
+using yoso::rows::grain_rows;
+using yoso::rows::start_rows;
 using yoso::simd::to_bf16;
-
-int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(1, width)); }
-
-// The residual rows added to an output of (rows, n), checked, or null.
-const float* start_rows(const c10::optional<torch::Tensor>& start, int64_t rows, int64_t n) {
-  if (!start.has_value()) return nullptr;
-  check_tensor(*start, "start", at::kFloat, 2);
-  YOSO_CHECK(start->size(0) == rows && start->size(1) == n, "start must be (R, N) = (", rows, ", ", n, "), got ",
-             start->sizes());
-  return start->data_ptr<float>();
-}
 
 std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& smooth) {
   check_tensor(x, "x", at::kFloat, 2);
@@ -312,81 +318,6 @@ std::vector<torch::Tensor> requantize_rows(const torch::Tensor& acc, const torch
   return {q, q_scale};
 }
 
-// Rows [r0, r1) of the sum; P is the parts' element type (uint16_t: bf16 bits, widened by a 16-bit shift).
-template <typename P>
-inline float widen(P x) {
-  if constexpr (std::is_same<P, float>::value) {
-    return x;
-  } else {
-    const uint32_t bits = uint32_t(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-  }
-}
-
-template <typename P>
-void sum_block(const P* const* parts, int64_t count, const float* __restrict start, float* __restrict out, int64_t r0,
-               int64_t r1, int64_t n) {
-  for (int64_t r = r0; r < r1; ++r) {
-    float* __restrict o = out + r * n;
-    const P* __restrict first = parts[0] + r * n;
-    if (start != nullptr) {
-      const float* __restrict st = start + r * n;
-#pragma omp simd
-      for (int64_t c = 0; c < n; ++c) o[c] = st[c] + widen(first[c]);
-    } else {
-#pragma omp simd
-      for (int64_t c = 0; c < n; ++c) o[c] = widen(first[c]);
-    }
-    for (int64_t j = 1; j < count; ++j) {
-      const P* __restrict part = parts[j] + r * n;
-#pragma omp simd
-      for (int64_t c = 0; c < n; ++c) o[c] += widen(part[c]);
-    }
-  }
-}
-
-YOSO_SIMD_CLONES
-void sum_block_bf16(const uint16_t* const* parts, int64_t count, const float* start, float* out, int64_t r0, int64_t r1,
-                    int64_t n) {
-  sum_block(parts, count, start, out, r0, r1, n);
-}
-
-YOSO_SIMD_CLONES
-void sum_block_fp32(const float* const* parts, int64_t count, const float* start, float* out, int64_t r0, int64_t r1,
-                    int64_t n) {
-  sum_block(parts, count, start, out, r0, r1, n);
-}
-
-torch::Tensor sum_parts(const std::vector<torch::Tensor>& parts, const c10::optional<torch::Tensor>& start) {
-  YOSO_CHECK(!parts.empty(), "parts must hold at least one (R, N) tensor");
-  const at::ScalarType dtype = parts[0].scalar_type();
-  YOSO_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "parts must be BFloat16 or Float, got ",
-             c10::toString(dtype));
-  for (const auto& part : parts) check_tensor(part, "every part", dtype, 2);
-  const int64_t rows = parts[0].size(0), n = parts[0].size(1);
-  for (const auto& part : parts)
-    YOSO_CHECK(part.size(0) == rows && part.size(1) == n, "every part must be (R, N) = (", rows, ", ", n,
-               "), got ", part.sizes());
-  const float* stp = start_rows(start, rows, n);
-  torch::Tensor out = torch::empty({rows, n}, parts[0].options().dtype(at::kFloat));
-  if (rows == 0 || n == 0) return out;
-  const int64_t count = int64_t(parts.size());
-  std::vector<const void*> ptrs;
-  for (const auto& part : parts) ptrs.push_back(part.data_ptr());
-  float* op = out.data_ptr<float>();
-  run_without_gil([&] {
-    at::parallel_for(0, rows, grain_rows(n * count), [&](int64_t r0, int64_t r1) {
-      if (dtype == at::kFloat)
-        sum_block_fp32(reinterpret_cast<const float* const*>(ptrs.data()), count, stp, op, r0, r1, n);
-      else
-        sum_block_bf16(reinterpret_cast<const uint16_t* const*>(ptrs.data()), count, stp, op, r0, r1, n);
-    });
-  });
-  return out;
-}
-
 }  // namespace
 
 namespace yoso::simd {
@@ -404,7 +335,8 @@ void register_quant_ops(pybind11::module_& m) {
         "smooth, then by its own max|.|/127, rounded half to even, clamped to +-127",
         py::arg("x"), py::arg("smooth"));
   m.def("dequantize_rows", &dequantize_rows,
-        "(acc (R, N) int32, scale (R, 1) fp32, col_scale (N,) fp32, bias (N,) or None, start (R, N) fp32 or None, "
+        "(acc (R, N) int32 or fp32 integers, scale (R, 1) fp32, col_scale (N,) fp32, bias (N,) or None, start (R, N) "
+        "fp32 or None, "
         "gelu=False, bf16=False, norm_weight=None, norm_bias=None, eps=1e-12) -> (R, N) fp32 = acc * scale * "
         "col_scale + bias + start, then GELU (erf form, ~1e-7 off aten's), then LayerNorm(norm_weight, norm_bias, "
         "eps) if norm_weight is given; bf16: that result rounded to bf16 (nearest, ties to even)",
@@ -412,12 +344,9 @@ void register_quant_ops(pybind11::module_& m) {
         py::arg("gelu") = false, py::arg("bf16") = false, py::arg("norm_weight") = py::none(),
         py::arg("norm_bias") = py::none(), py::arg("eps") = 1e-12);
   m.def("requantize_rows", &requantize_rows,
-        "(acc (R, N) int32, scale (R, 1) fp32, col_scale (N,) fp32, bias (N,) or None, gelu=False) -> [q (R, N) int8, "
+        "(acc (R, N) int32 or fp32 integers, scale (R, 1) fp32, col_scale (N,) fp32, bias (N,) or None, gelu=False) "
+        "-> [q (R, N) int8, "
         "scale (R, 1) fp32]: quantize_rows(dequantize_rows(acc, scale, col_scale, bias, None, gelu), None), the same "
         "bits in one pass",
         py::arg("acc"), py::arg("scale"), py::arg("col_scale"), py::arg("bias"), py::arg("gelu") = false);
-  m.def("sum_parts", &sum_parts,
-        "(parts [(R, N) bf16 or fp32, one dtype], start (R, N) fp32 or None) -> (R, N) fp32 = ((start + parts[0]) + "
-        "parts[1]) + ... in that order, each part widened to fp32 (no start: parts[0] + parts[1] + ...)",
-        py::arg("parts"), py::arg("start"));
 }

@@ -1,4 +1,4 @@
-"""The fp32 sum of a bf16 dense layer's K-block outputs (kernels/dense_parts.py, csrc/yoso_cpu_quant.cpp): the
+"""The fp32 sum of a bf16 dense layer's K-block outputs (kernels/dense_parts.py, csrc/yoso_cpu_parts.cpp): the
 C++ pass bit for bit against the PyTorch twin and a float64 oracle's order, the residual left as it was, the
 encoder's K-blocked layer giving the twin's bits, and errors that name the limit."""
 

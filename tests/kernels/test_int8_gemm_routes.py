@@ -52,6 +52,9 @@ def test_weights_past_63_or_a_k_past_2080_take_int_mm_and_stay_exact(route):
     for k, levels in ((64, 127), (2081, 63)):
         q, w = operands(5, k, 6, levels, seed=k)
         assert torch.equal(int8_mm(q, w).long(), q.long() @ w.long().t())
+    q, w = operands(5, 64, 6, 63, seed=1)
+    w[2, 3] = -128  # past ±63 though its abs() (still -128 in int8) is not
+    assert torch.equal(int8_mm(q, w).long(), q.long() @ w.long().t())
     q, w = operands(0, 16, 4, 63)
     assert int8_mm(q, w).shape == (0, 4)
 
