@@ -56,6 +56,9 @@ _SOURCES = [_CSRC / f"yoso_cpu{part}.cpp"
             for part in ("", "_fused", "_finish", "_quant", "_parts", "_kernels", "_weighted", "_simd", "_simd_i8",
                          "_simd_bf16", "_exact")]
 _EXTENSION_NAME = "yoso_serve_cpu"
+# -fno-trapping-math: a comparison may be if-converted without its floating-point exception flags (nothing reads them;
+# no result changes). With them kept, GCC left the AVX2 clone of the int8 epilogue's GELU scalar.
+CPU_CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
 
 logger = logging.getLogger("yoso_serve.kernels")
 
@@ -138,9 +141,7 @@ def _load(name: str, sources: list[Path], what: str, **flags) -> tuple[ModuleTyp
 
 
 def _build() -> tuple[ModuleType | None, str]:
-    # -fno-trapping-math: a comparison may be if-converted without its floating-point exception flags (nothing reads
-    # them; no result changes). With them kept, GCC left the AVX2 clone of the int8 epilogue's GELU scalar.
-    return _load(_EXTENSION_NAME, _SOURCES, "C++ extension", extra_cflags=["-O3", "-fopenmp", "-fno-trapping-math"])
+    return _load(_EXTENSION_NAME, _SOURCES, "C++ extension", extra_cflags=CPU_CFLAGS)
 
 
 def cpu_extension() -> ModuleType | None:
@@ -312,7 +313,7 @@ def _build_cuda() -> tuple[ModuleType | None, str]:
     if toolkit is None:
         return None, f"CUDA extension not built: no CUDA toolkit found ({find_cuda_toolkit()[1]})"
     module, reason = _load(_CUDA_EXTENSION_NAME, _CUDA_SOURCES, "CUDA extension",
-                           extra_cflags=["-O3", "-fopenmp", "-DWITH_CUDA"], extra_cuda_cflags=["-O3", "-std=c++17"])
+                           extra_cflags=[*CPU_CFLAGS, "-DWITH_CUDA"], extra_cuda_cflags=["-O3", "-std=c++17"])
     return module, f"{reason}; {toolkit}"
 
 
