@@ -3,7 +3,8 @@
 Taken before a refactor moves code, so the move can be shown to change nothing: `/embed` at auto (with
 the exact switch on, as served), at 32 hashes and exact, a chunked long document, and `/embed_pieces`, all
 with fp32 dense layers. On another CPU (or torch) the GEMMs round differently, so there the vectors are
-held to cosine 0.99999 instead and the test says which comparison it made.
+held to cosine 0.99999 in exact mode and 0.998 where texts are hashed instead, and the test says which comparison
+it made.
 
 Re-record (only when the model or its math changes on purpose):
     YOSO_RECORD_FINGERPRINT=1 .venv/bin/python -m pytest tests/service/test_fingerprint.py
@@ -35,7 +36,10 @@ LONG = " ".join(WORDS * 200)  # past the model's max length: chunked
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    # "AMD EPYC" names Zen 3 (AVX2) and Zen 4 (AVX-512) alike, whose kernels round differently
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    return {"cpu": cpu, "avx512f": "avx512f" in flags, "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
 async def _vectors(serve, default_dir) -> dict[str, np.ndarray]:
@@ -72,4 +76,8 @@ def test_bundled_model_vectors_match_the_recorded_fingerprint(serve, default_dir
         else:
             a, b = vec.reshape(-1, vec.shape[-1]), want[name].reshape(-1, vec.shape[-1])
             cos = (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
-            assert cos.min() >= 0.99999, f"{name}: cosine {cos.min():.6f} to the recorded vectors (other machine)"
+            # exact mode moves by rounding only; where texts are hashed, a q or k within rounding of a hash plane
+            # flips its code on another CPU (an AMD EPYC Zen 3 against the Zen 4 that recorded: 0.99992 at auto,
+            # 0.99918 for a 128-token piece)
+            bar = 0.99999 if name == "embed_0" else 0.998
+            assert cos.min() >= bar, f"{name}: cosine {cos.min():.6f} to the recorded vectors (other machine)"
