@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from yoso_serve.kernels import cpu_flags
 from yoso_serve.model.hashes import AUTO_EXACT_BELOW
 
 HERE = Path(__file__).parent / "fingerprint"
@@ -37,9 +38,8 @@ def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     # "AMD EPYC" names Zen 3 (AVX2) and Zen 4 (AVX-512) alike, whose kernels round differently
-    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("flags")), [])
-    return {"cpu": cpu, "avx512f": "avx512f" in flags, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    return {"cpu": cpu, "avx512f": "avx512f" in cpu_flags(), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
 
 
 async def _vectors(serve, default_dir) -> dict[str, np.ndarray]:
