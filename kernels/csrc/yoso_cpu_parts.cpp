@@ -28,13 +28,16 @@ namespace {
 #else
 #define YOSO_SIMD_CLONES
 #endif
+// Inlined into each clone, so the clone's own instruction set compiles the loops: a plain inline template stayed one
+// baseline (SSE2) copy that every clone called.
+#define YOSO_PARTS_INLINE __attribute__((always_inline)) inline
 
 using yoso::rows::grain_rows;
 using yoso::rows::start_rows;
 
 // Rows [r0, r1) of the sum; P is the parts' element type (uint16_t: bf16 bits, widened by a 16-bit shift).
 template <typename P>
-inline float widen(P x) {
+YOSO_PARTS_INLINE float widen(P x) {
   if constexpr (std::is_same<P, float>::value) {
     return x;
   } else {
@@ -46,7 +49,7 @@ inline float widen(P x) {
 }
 
 template <typename P>
-void sum_block(const P* const* parts, int64_t count, const float* __restrict start, float* __restrict out, int64_t r0,
+YOSO_PARTS_INLINE void sum_block(const P* const* parts, int64_t count, const float* __restrict start, float* __restrict out, int64_t r0,
                int64_t r1, int64_t n) {
   for (int64_t r = r0; r < r1; ++r) {
     float* __restrict o = out + r * n;
