@@ -291,6 +291,47 @@ def test_bf16_k_block_reads_the_cpu_flags(monkeypatch, tmp_path):
     assert linear.bf16_k_block() == 384
 
 
+def test_fp32_packed_reads_the_cpu_flags(monkeypatch, tmp_path):
+    """Packed fp32 weights and aten's GELU pass on AVX2 CPUs without AVX-512 only; not where the flags are unknown."""
+    from yoso_serve.model import linear
+
+    info = tmp_path / "cpuinfo"
+    real = linear.Path
+    monkeypatch.setattr(linear, "Path", lambda path: info if str(path) == "/proc/cpuinfo" else real(path))
+    for flags, packed in (("fpu avx2 fma", True), ("fpu avx2 avx512f avx512bw", False), ("fpu sse4_2", False)):
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        assert linear.fp32_packed() == packed, flags
+    info.unlink()
+    assert not linear.fp32_packed()
+
+
+def test_linear_with_packed_fp32_weights(monkeypatch):
+    """The packed path: within fp32 rounding of F.linear, a row's bits at any row count (one row alone too, where
+    this CPU takes that path), GELU as aten's pass over the GEMM's output, the residual add, and the packed copy
+    made again when the weights change."""
+    from yoso_serve.model import linear
+
+    if linear.ONEDNN_LINEAR is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    alone = linear.fp32_packed()  # the CPU this path is taken on: there a single row has its batch bits too
+    monkeypatch.setattr(linear, "FP32_PACKED", True)
+    torch.manual_seed(0)
+    lin = linear.Linear(384, 1536)
+    x, other = torch.randn(300, 384), torch.randn(300, 1536)
+    gelu = torch.nn.functional.gelu
+    with torch.no_grad():
+        full = lin(x)
+        torch.testing.assert_close(full, torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+        for rows in (1, 2, 7, 128) if alone else (2, 7, 128):
+            assert torch.equal(lin(x[:rows]), full[:rows]), rows
+        assert torch.equal(lin.activated(x, "gelu", gelu), gelu(full))
+        summed = lin.plus(x, other)
+        torch.testing.assert_close(summed, full + other, atol=1e-5, rtol=1e-5)
+        assert torch.equal(lin.plus(x[:7], other[:7]), summed[:7])
+        lin.weight.mul_(2)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+
+
 def test_bf16_dense_model_stays_near_fp32_and_row_independent():
     """A whole model with bf16 dense layers: embeddings within 1e-3 cosine of fp32 in exact mode, and a text's
     vector the same alone or beside a longer one (padding)."""
