@@ -28,7 +28,7 @@ from .attention import build_attention
 from .config import EncoderConfig
 from .dense_int8 import int8_feed_forward, project
 from .hashes import resolve_hashes
-from .linear import Linear, activation
+from .linear import Linear, activation, packed_side_by_side
 from .reversible import ReversibleBlock, reversible_stack
 
 # Position ids start here, as in transformers' YOSO (rows 0 and 1 of the table are unused).
@@ -104,7 +104,8 @@ class YosoSelfAttention(nn.Module):
         """hidden (B, N, hidden), mask (B, N) bool or None, hashes ≥ 0 (0 = exact) → (B, N, hidden); with
         ``bf16_context`` (its reader rounds it anyway) a core that ``reads_bf16`` gets bf16 Q/K/V, gives bf16."""
         bf16 = bf16_context and self.core.reads_bf16()
-        q, k, v = (self.split_heads(t) for t in project([self.query, self.key, self.value], hidden, bf16_out=bf16))
+        qkv = [self.query, self.key, self.value]
+        q, k, v = (self.split_heads(t) for t in packed_side_by_side(qkv, hidden) or project(qkv, hidden, bf16_out=bf16))
         if self.core.uses_hashes:  # YOSO; its core also adds the YOSO-C convolution (one pass on CPU)
             context = self.core(q, k, v, mask, hashes=hashes, conv=self.conv)  # (B, H, N, d)
         else:  # config validation keeps YOSO-C (conv_window) to attention_type yoso

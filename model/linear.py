@@ -159,9 +159,11 @@ class Linear(nn.Linear):
         """oneDNN's packed copy of the fp32 weights (:func:`fp32_packed`), made again whenever they changed."""
         key = (self.weight._version, self.weight.data_ptr())
         if getattr(self, "_packed_key", None) != key:
-            self._packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
+            # the cache holds the weights it was made from: their address is not reused while it is kept
+            self._packed_weight = (torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS),
+                                   self.weight.detach())
             self._packed_key = key
-        return self._packed_weight
+        return self._packed_weight[0]
 
     def _int8(self, x: torch.Tensor, start: torch.Tensor | None = None, gelu: bool = False,
               norm: LayerNormArgs | None = None) -> torch.Tensor:
@@ -222,6 +224,27 @@ class Linear(nn.Linear):
         else:
             out = F.linear(x, self.weight, self.bias) + other
         return out if norm is None else norm(out)
+
+
+def packed_side_by_side(linears: list[Linear], x: torch.Tensor) -> list[torch.Tensor] | None:
+    """``[lin(x) for lin in linears]`` as one fp32 GEMM over their packed weights side by side (Q, K, V), the outputs
+    views of it, where :data:`FP32_PACKED` applies and each would take the packed fp32 path; None elsewhere. The same
+    bits as one at a time (measured, AMD EPYC Zen 3: 1 to 2176 rows); at 128 rows 1.1x, at 1 or 2 rows 2x faster."""
+    first = linears[0]
+    if not (FP32_PACKED and first._fast(x) and x.dtype == torch.float32
+            and all(not (lin.bf16 or lin.int8) and lin.in_features == first.in_features for lin in linears)
+            and len({lin.bias is None for lin in linears}) == 1):
+        return None
+    sources = [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
+    key = tuple((t._version, t.data_ptr()) for t in sources)
+    if getattr(first, "_side_key", None) != key:
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        bias = None if first.bias is None else torch.cat([lin.bias.detach() for lin in linears])
+        # the sources kept with it, so that their addresses are not reused while it is
+        first._side = (torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS), bias, [t.detach() for t in sources])
+        first._side_key = key
+    out = ONEDNN_LINEAR(x, *first._side[:2], "none", [], "")
+    return list(out.split([lin.out_features for lin in linears], dim=-1))
 
 
 DENSE_DTYPES = ("fp32", "bf16", "int8")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -307,8 +309,8 @@ def test_fp32_packed_reads_the_cpu_flags(monkeypatch, tmp_path):
 
 def test_linear_with_packed_fp32_weights(monkeypatch):
     """The packed path: within fp32 rounding of F.linear, a row's bits at any row count (one row alone too, where
-    this CPU takes that path), GELU as aten's pass over the GEMM's output, the residual add, and the packed copy
-    made again when the weights change."""
+    this CPU takes that path), GELU as aten's pass over the GEMM's output, the residual add, the packed copy made
+    again when the weights change; Q, K, V as one GEMM with their own bits."""
     from yoso_serve.model import linear
 
     if linear.ONEDNN_LINEAR is None:
@@ -330,6 +332,17 @@ def test_linear_with_packed_fp32_weights(monkeypatch):
         assert torch.equal(lin.plus(x[:7], other[:7]), summed[:7])
         lin.weight.mul_(2)
         torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+        # Q, K, V side by side: one GEMM, each output the bits of its own (where this CPU takes that path)
+        same = torch.equal if alone else functools.partial(torch.allclose, atol=1e-5, rtol=1e-5)
+        qkv = [linear.Linear(384, 384) for _ in range(3)]
+        assert all(same(out, q(x)) for out, q in zip(linear.packed_side_by_side(qkv, x), qkv))
+        qkv[1].weight.mul_(2)
+        qkv[2].bias.add_(1)
+        assert all(same(out, q(x)) for out, q in zip(linear.packed_side_by_side(qkv, x), qkv))
+        linear.set_dense_dtype(qkv[0], "bf16")
+        assert linear.packed_side_by_side(qkv, x) is None
+        monkeypatch.setattr(linear, "FP32_PACKED", False)
+        assert linear.packed_side_by_side(qkv[1:], x) is None
 
 
 def test_bf16_dense_model_stays_near_fp32_and_row_independent():
