@@ -225,3 +225,22 @@ def test_exact_bf16_sets_the_dot_products_against_the_fp32_tiles_in_alternated_p
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [r.split(" | ")[0] for r in rows[1:]] == ["| 2 × 16", "| 1 × 40"]
     assert all(r.endswith("× |") and len(r.split(" | ")[3].split(", ")) == 2 for r in rows[1:])
+
+
+def test_fp32_packed_compares_both_paths_on_the_same_bits_and_puts_the_switch_back():
+    """bench/fp32_packed.py: both paths run (each forward's output kept), give the same bits, and the module's
+    switch is what it was afterwards."""
+    import fp32_packed
+    from yoso_serve.model import default_model_dir, linear, load_pretrained
+
+    if linear.ONEDNN_LINEAR is None:
+        import pytest
+
+        pytest.skip("this torch has no oneDNN linear")
+    model = load_pretrained(default_model_dir()).eval()
+    before = linear.FP32_PACKED
+    out = fp32_packed.compare(model, 2, 24, runs=2, repeats=1)
+    assert linear.FP32_PACKED == before
+    assert len(out["ratios"]) == 2 and all(r > 0 for r in out["ratios"]) and set(out["ms"]) == {"plain", "packed"}
+    assert out["same"]
+    assert "| 2 × 24 |" in fp32_packed.table({(2, 24): out})
