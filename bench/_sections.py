@@ -70,3 +70,16 @@ def save_figure(fig, path: Path, dpi: int = 110) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
+
+
+def parse_shapes(specs: list[str]) -> list[tuple[int, int]]:
+    """``--shapes`` as given ("16x128") → (batch, tokens) pairs."""
+    return [tuple(int(v) for v in s.lower().split("x")) for s in specs]
+
+
+def report(text: str, plot, path: str) -> None:
+    """Print a bench's table, then write its plot to ``path`` by ``plot(Path(path))``, unless ``path`` is ''."""
+    print(text)
+    if path:
+        plot(Path(path))
+        print(f"plot: {path}")

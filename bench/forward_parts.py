@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.append(str(Path(__file__).resolve().parent))
-from _sections import machine  # noqa: E402
+from _sections import machine, parse_shapes, report  # noqa: E402
 
 from yoso_serve.kernels import dense_int8  # noqa: E402
 from yoso_serve.kernels._build import cpu_extension  # noqa: E402
@@ -160,7 +160,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--plot", default=str(DOC_IMG / "forward_parts.png"), help="where the plot goes ('' for none)")
     args = parser.parse_args(argv)
-    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
+    shapes = parse_shapes(args.shapes)
     retain_freed_memory()  # the server's heap settings: freed tensors reused, not handed back and faulted in again
     model = load_pretrained(default_model_dir()).eval()
     results = {}
@@ -169,10 +169,7 @@ def main(argv=None) -> dict:
         for b, n in shapes:
             results[(dense, b, n)] = parts(model, b, n, args.repeats)
     print(f"machine: {machine()}; medians of {args.repeats} forwards; random token ids, hashes=auto")
-    print(table(results))
-    if args.plot:
-        plot(results, Path(args.plot))
-        print(f"plot: {args.plot}")
+    report(table(results), lambda path: plot(results, path), args.plot)
     return results
 
 

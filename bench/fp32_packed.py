@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.append(str(Path(__file__).resolve().parent))
-from _sections import alternated_medians, machine, save_figure  # noqa: E402
+from _sections import alternated_medians, machine, parse_shapes, report, save_figure  # noqa: E402
 
 from yoso_serve.model import default_model_dir, linear, load_pretrained  # noqa: E402
 from yoso_serve.model.hashes import AUTO_EXACT_BELOW  # noqa: E402
@@ -88,13 +88,10 @@ def main(argv: list[str] | None = None) -> dict:
     retain_freed_memory()  # the server's heap settings
     model = load_pretrained(default_model_dir()).eval()
     linear.set_dense_dtype(model, "fp32")
-    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
+    shapes = parse_shapes(args.shapes)
     results = {(b, n): compare(model, b, n, args.runs, args.repeats) for b, n in tqdm(shapes, desc="shapes")}
     print(f"machine: {machine()}; packed path taken by default here: {linear.fp32_packed()}")
-    print(table(results))
-    if args.plot:
-        plot(results, Path(args.plot))
-        print(f"plot: {args.plot}")
+    report(table(results), lambda path: plot(results, path), args.plot)
     return results
 
 
