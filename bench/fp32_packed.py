@@ -51,7 +51,8 @@ def compare(model, batch: int, n: int, runs: int, repeats: int) -> dict:
 
 
 def table(results: dict) -> str:
-    rows = ["| batch × N | plain ms | packed ms | plain / packed time (per run) | same bits |", "|---|---:|---:|---|---|"]
+    rows = ["| batch × N | plain ms | packed ms | plain / packed time (per run) | same bits |",
+            "|---|---:|---:|---|---|"]
     for (batch, n), r in results.items():
         per_run = ", ".join(f"{v:.2f}" for v in r["ratios"])
         rows.append(f"| {batch} × {n} | {r['ms']['plain']:.1f} | {r['ms']['packed']:.1f} | "

@@ -49,8 +49,8 @@ YOSO_PARTS_INLINE float widen(P x) {
 }
 
 template <typename P>
-YOSO_PARTS_INLINE void sum_block(const P* const* parts, int64_t count, const float* __restrict start, float* __restrict out, int64_t r0,
-               int64_t r1, int64_t n) {
+YOSO_PARTS_INLINE void sum_block(const P* const* parts, int64_t count, const float* __restrict start,
+                                 float* __restrict out, int64_t r0, int64_t r1, int64_t n) {
   for (int64_t r = r0; r < r1; ++r) {
     float* __restrict o = out + r * n;
     const P* __restrict first = parts[0] + r * n;
