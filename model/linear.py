@@ -145,8 +145,7 @@ class Linear(nn.Linear):
         whenever the fp32 weights changed)."""
         if not self.bf16:
             return x, self._packed() if FP32_PACKED else self.weight, self.bias
-        key = (self.weight._version, self.weight.data_ptr(),
-               None if self.bias is None else (self.bias._version, self.bias.data_ptr()), BF16_K_BLOCK)
+        key = (_identity(self.weight), None if self.bias is None else _identity(self.bias), BF16_K_BLOCK)
         if getattr(self, "_bf16_key", None) != key:
             weight = self.weight.detach().bfloat16()
             if k_blocked(self.in_features):  # one contiguous weight block per K-block
@@ -157,7 +156,7 @@ class Linear(nn.Linear):
 
     def _packed(self) -> torch.Tensor:
         """oneDNN's packed copy of the fp32 weights (:func:`fp32_packed`), made again whenever they changed."""
-        key = (self.weight._version, self.weight.data_ptr())
+        key = _identity(self.weight)
         if getattr(self, "_packed_key", None) != key:
             # the cache holds the weights it was made from: their address is not reused while it is kept
             self._packed_weight = (torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS),
@@ -226,18 +225,33 @@ class Linear(nn.Linear):
         return out if norm is None else norm(out)
 
 
+def _identity(t: torch.Tensor) -> tuple[int, int]:
+    """(version, address) of a tensor a cache was made from; an inference tensor (made under inference_mode, which
+    cannot change in place outside it) has no version counter: 0."""
+    return 0 if t.is_inference() else t._version, t.data_ptr()
+
+
+def _hooked(m: nn.Module) -> bool:
+    """Whether a forward hook would see ``m``'s own call (its own hooks or global ones)."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(m._forward_hooks or m._forward_pre_hooks or torch_module._global_forward_hooks
+                or torch_module._global_forward_pre_hooks)
+
+
 def packed_side_by_side(linears: list[Linear], x: torch.Tensor) -> list[torch.Tensor] | None:
     """``[lin(x) for lin in linears]`` as one fp32 GEMM over their packed weights side by side (Q, K, V), the outputs
     views of it, where :data:`FP32_PACKED` applies and each would take the packed fp32 path; None elsewhere. The same
-    bits as one at a time (measured, AMD EPYC Zen 3: 1 to 2176 rows); at 128 rows 1.1x, at 1 or 2 rows 2x faster."""
+    bits as one at a time (measured, AMD EPYC Zen 3: 1 to 2176 rows); at 128 rows 1.1x, at 1 or 2 rows 2x faster.
+    Not where a forward hook waits on one of them (their own calls then run, as the hook expects)."""
     first = linears[0]
     if not (FP32_PACKED and x.dtype == torch.float32
-            and all(lin._fast(x) and not (lin.bf16 or lin.int8) and lin.in_features == first.in_features
+            and all(lin._fast(x) and not (lin.bf16 or lin.int8 or _hooked(lin)) and lin.in_features == first.in_features
                     for lin in linears)
             and len({lin.bias is None for lin in linears}) == 1):
         return None
     sources = [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
-    key = tuple((t._version, t.data_ptr()) for t in sources)
+    key = tuple(_identity(t) for t in sources)
     if getattr(first, "_side_key", None) != key:
         weight = torch.cat([lin.weight.detach() for lin in linears])
         bias = None if first.bias is None else torch.cat([lin.bias.detach() for lin in linears])

@@ -339,10 +339,17 @@ def test_linear_with_packed_fp32_weights(monkeypatch):
         qkv[1].weight.mul_(2)
         qkv[2].bias.add_(1)
         assert all(same(out, q(x)) for out, q in zip(linear.packed_side_by_side(qkv, x), qkv))
+        hook = qkv[2].register_forward_hook(lambda *_: None)  # a hook sees its linear's own call
+        assert linear.packed_side_by_side(qkv, x) is None
+        hook.remove()
         linear.set_dense_dtype(qkv[0], "bf16")
         assert linear.packed_side_by_side(qkv, x) is None
         monkeypatch.setattr(linear, "FP32_PACKED", False)
         assert linear.packed_side_by_side(qkv[1:], x) is None
+    monkeypatch.setattr(linear, "FP32_PACKED", True)
+    with torch.inference_mode():  # weights made under inference_mode have no version counter
+        made = [linear.Linear(384, 384) for _ in range(3)]
+        assert torch.equal(made[0](x), linear.packed_side_by_side(made, x)[0])
 
 
 def test_bf16_dense_model_stays_near_fp32_and_row_independent():
