@@ -145,24 +145,19 @@ class Linear(nn.Linear):
         whenever the fp32 weights changed)."""
         if not self.bf16:
             return x, self._packed() if FP32_PACKED else self.weight, self.bias
-        key = (_identity(self.weight), None if self.bias is None else _identity(self.bias), BF16_K_BLOCK)
-        if getattr(self, "_bf16_key", None) != key:
+
+        def make():
             weight = self.weight.detach().bfloat16()
             if k_blocked(self.in_features):  # one contiguous weight block per K-block
                 weight = [w.contiguous() for w in weight.split(BF16_K_BLOCK, dim=1)]
-            self._bf16 = (weight, None if self.bias is None else self.bias.detach().bfloat16())
-            self._bf16_key = key
-        return x.bfloat16(), *self._bf16
+            return weight, None if self.bias is None else self.bias.detach().bfloat16()
+
+        return x.bfloat16(), *_derived(self, "_bf16", [self.weight, self.bias], make, BF16_K_BLOCK)
 
     def _packed(self) -> torch.Tensor:
         """oneDNN's packed copy of the fp32 weights (:func:`fp32_packed`), made again whenever they changed."""
-        key = _identity(self.weight)
-        if getattr(self, "_packed_key", None) != key:
-            # the cache holds the weights it was made from: their address is not reused while it is kept
-            self._packed_weight = (torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS),
-                                   self.weight.detach())
-            self._packed_key = key
-        return self._packed_weight[0]
+        return _derived(self, "_packed_weight", [self.weight],
+                        lambda: torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS))
 
     def _int8(self, x: torch.Tensor, start: torch.Tensor | None = None, gelu: bool = False,
               norm: LayerNormArgs | None = None) -> torch.Tensor:
@@ -225,10 +220,18 @@ class Linear(nn.Linear):
         return out if norm is None else norm(out)
 
 
-def _identity(t: torch.Tensor) -> tuple[int, int]:
-    """(version, address) of a tensor a cache was made from; an inference tensor (made under inference_mode, which
-    cannot change in place outside it) has no version counter: 0."""
-    return 0 if t.is_inference() else t._version, t.data_ptr()
+def _derived(owner: nn.Module, slot: str, sources: list[torch.Tensor | None], make, *extra):
+    """``make()``, kept on ``owner`` as ``slot`` (its key as ``slot + "_key"``) and made again whenever a tensor of
+    ``sources`` (None ones left out) changed in place or was replaced, or ``extra`` changed. A source is known by its
+    version and address; an inference tensor (made under inference_mode, which cannot change in place outside it)
+    has no version counter and counts as 0. The cache holds its sources, so that no new tensor takes one's address
+    while it is kept."""
+    held = [t for t in sources if t is not None]
+    key = (*((0 if t.is_inference() else t._version, t.data_ptr()) for t in held), *extra)
+    if getattr(owner, slot + "_key", None) != key:
+        setattr(owner, slot, (make(), [t.detach() for t in held]))
+        setattr(owner, slot + "_key", key)
+    return getattr(owner, slot)[0]
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -250,15 +253,14 @@ def packed_side_by_side(linears: list[Linear], x: torch.Tensor) -> list[torch.Te
                     for lin in linears)
             and len({lin.bias is None for lin in linears}) == 1):
         return None
-    sources = [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
-    key = tuple(_identity(t) for t in sources)
-    if getattr(first, "_side_key", None) != key:
+
+    def make():
         weight = torch.cat([lin.weight.detach() for lin in linears])
         bias = None if first.bias is None else torch.cat([lin.bias.detach() for lin in linears])
-        # the sources kept with it, so that their addresses are not reused while it is
-        first._side = (torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS), bias, [t.detach() for t in sources])
-        first._side_key = key
-    out = ONEDNN_LINEAR(x, *first._side[:2], "none", [], "")
+        return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS), bias
+
+    side = _derived(first, "_side", [t for lin in linears for t in (lin.weight, lin.bias)], make)
+    out = ONEDNN_LINEAR(x, *side, "none", [], "")
     return list(out.split([lin.out_features for lin in linears], dim=-1))
 
 

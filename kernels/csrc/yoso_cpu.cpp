@@ -40,9 +40,9 @@ torch::Tensor fast_hash_codes_cuda(const torch::Tensor& x, const torch::Tensor& 
 void register_fused_ops(pybind11::module_& m);
 // The N-YOSO norm and YOSO-C convolution after the op, in place (yoso_cpu_finish.cpp).
 void register_finish_ops(pybind11::module_& m);
-// yoso_cpu_quant.cpp: quantize_rows, dequantize_rows (around the int8 dense layers' GEMM) and sum_parts
-// (the bf16 dense layers' K-block outputs summed after the residual)
+// yoso_cpu_quant.cpp: quantize_rows, dequantize_rows (around the int8 dense layers' GEMM)
 void register_quant_ops(pybind11::module_& m);
+// yoso_cpu_parts.cpp: sum_parts (the bf16 dense layers' K-block outputs summed after the residual)
 void register_parts_ops(pybind11::module_& m);
 
 // yoso_check.h's message pieces: numbers by std::to_string / snprintf, never through std::ostream.
