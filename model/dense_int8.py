@@ -9,7 +9,11 @@ it, which leaves the product unchanged and moves part of the channel's range int
 channel. Each channel's range is calibrated once, when int8 is switched on, by an fp32 forward over seeded random
 tokens: the channels that stand out do so for any text (random tokens gave the same gain as documentation text,
 bench/int8_layers.py). ``s`` is rounded to a power of two, so dividing and multiplying by it are exact and a
-last-bit difference in the calibration between machines almost never changes it."""
+last-bit difference in the calibration between machines almost never changes it.
+
+FFN out's input, GELU's output, is shifted (:func:`shift_int8`): it never goes below -0.17, so each row plus 0.17 is
+quantized to [0, 127] rather than symmetrically, which leaves the row's step as it was and lets the AVX2 route keep
+±127 weights there (±63 otherwise: kernels/dense_int8.py); the bias takes ``-0.17 · W.sum(1)`` back out."""
 
 from __future__ import annotations
 
@@ -20,27 +24,50 @@ from torch import nn
 
 from yoso_serve.kernels import LayerNormArgs, int8_linear, int8_linear_rows, int8_rows, weight_levels
 
+from .derived import derived
+
 SMOOTH_ALPHA = 0.5  # how much of a channel's range moves into the weights (SmoothQuant's α)
 CALIBRATION = (16, 64, 0)  # texts, tokens each, seed of the random tokens the ranges are read from
+GELU_SHIFT = 0.17  # the exact GELU's minimum is -0.16997 (at x = -0.7518)
 
 
-def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None,
+                    levels: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """weight (out, in) fp32, times ``smooth`` (in,) per input channel if given → (int8 (out, in), scale (out,)
-    fp32): symmetric, one scale per output channel, to ±127 or ±63 as the CPU's int8 GEMM takes them
-    (:func:`yoso_serve.kernels.weight_levels`)."""
+    fp32): symmetric, one scale per output channel, to ±``levels``, by default ±127 or ±63 as the CPU's int8 GEMM
+    takes them (:func:`yoso_serve.kernels.weight_levels`)."""
     w = weight.detach().float() if smooth is None else weight.detach().float() * smooth
-    q, scale = int8_rows(w, weight_levels())
+    q, scale = int8_rows(w, levels or weight_levels())
     return q, scale[:, 0]
 
 
-def int8_weights(lin: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lin``'s weights times its smoothing vector, quantized (:func:`quantize_weight`), kept on ``lin`` until the
-    weights, the vector or the GEMM's route change (the cache holds the vector, so its id is not reused)."""
-    key = (lin.weight._version, lin.weight.data_ptr(), id(lin.int8_smooth), weight_levels())
-    if getattr(lin, "_int8_key", None) != key:
-        lin._int8_weight = (*quantize_weight(lin.weight, lin.int8_smooth), lin.int8_smooth)
-        lin._int8_key = key
-    return lin._int8_weight[:2]
+def int8_weights(lin: nn.Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(weight_q, weight_scale, bias) for :func:`yoso_serve.kernels.int8_linear`: ``lin``'s weights times its
+    smoothing vector, quantized (:func:`quantize_weight`; ±127 where its input is shifted), and its bias, less
+    ``shift · (W · smooth).sum(1)`` where it is; kept on ``lin`` until the weights, the bias, the vector, the shift
+    or the GEMM's route change."""
+    shift = lin.int8_shift
+    levels = 127 if shift is not None else weight_levels()
+
+    def make():
+        weight_q, weight_scale = quantize_weight(lin.weight, lin.int8_smooth, levels)
+        bias = None if lin.bias is None else lin.bias.detach().float()
+        if shift is not None:
+            w = lin.weight.detach().float() if lin.int8_smooth is None else lin.weight.detach().float() * lin.int8_smooth
+            bias = -shift * w.sum(dim=1) + (0 if bias is None else bias)
+        return weight_q, weight_scale, bias
+
+    return derived(lin, "_int8_weight", [lin.weight, lin.bias, lin.int8_smooth], make, levels, shift)
+
+
+def shift_int8(model: nn.Module) -> None:
+    """Give FFN out of every block whose FFN in ends in the exact GELU its input shift (:data:`GELU_SHIFT`), and
+    take it away elsewhere."""
+    for m in model.modules():
+        inner, outer = getattr(m, "intermediate", None), getattr(m, "output", None)
+        dense = getattr(outer, "dense", None)
+        if inner is not None and hasattr(dense, "int8_shift"):
+            dense.int8_shift = GELU_SHIFT if getattr(inner, "act_name", None) == "gelu" else None
 
 
 def norm_fed(model: nn.Module) -> Iterator[tuple[nn.Module, list[tuple[nn.LayerNorm, list[nn.Linear]]]]]:
@@ -120,13 +147,13 @@ def project(linears: list[nn.Linear], x: torch.Tensor, *, bf16_out: bool = False
         if bf16_out:
             return [lin.bf16_product(x) for lin in linears]
     if (not (all(lin.int8 for lin in linears) and first._fast(x)) or len({lin.bias is None for lin in linears}) > 1
-            or any(lin.int8_smooth is not first.int8_smooth for lin in linears)):
+            or any(lin.int8_smooth is not first.int8_smooth or lin.int8_shift is not None for lin in linears)):
         return [lin(x) for lin in linears]
     parts = [int8_weights(lin) for lin in linears]
-    key = tuple(id(q) for q, _ in parts)  # the cache holds the parts: their ids are not reused
+    key = tuple(id(q) for q, _, _ in parts)  # the cache holds the parts: their ids are not reused
     if getattr(first, "_int8_fused_key", None) != key:
-        bias = None if first.bias is None else torch.cat([lin.bias.detach().float() for lin in linears])
-        first._int8_fused = (torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), bias, parts)
+        bias = None if first.bias is None else torch.cat([b for _, _, b in parts])
+        first._int8_fused = (torch.cat([q for q, _, _ in parts]), torch.cat([s for _, s, _ in parts]), bias, parts)
         first._int8_fused_key = key
     weight_q, weight_scale, bias, _ = first._int8_fused
     out = int8_linear(x.float(), weight_q, weight_scale, bias, smooth=first.int8_smooth,
@@ -143,9 +170,9 @@ def int8_feed_forward(intermediate: nn.Module, output: nn.Module, x: torch.Tenso
     if not (inner.int8 and outer.int8 and outer.int8_smooth is None and intermediate.act_name == "gelu"
             and not output.training and inner._fast(x)):
         return None
-    rows = int8_linear_rows(x, *int8_weights(inner), inner.bias, smooth=inner.int8_smooth, gelu=True)
+    rows = int8_linear_rows(x, *int8_weights(inner), smooth=inner.int8_smooth, gelu=True, shift=outer.int8_shift)
     if rows is None:
         return None
     norm = LayerNormArgs.of(output.LayerNorm)  # applied as the sums are scaled back
-    out = int8_linear(rows, *int8_weights(outer), outer.bias, start=x, norm=norm)
+    out = int8_linear(rows, *int8_weights(outer), start=x, norm=norm)
     return out if norm is not None else output.LayerNorm(out)

@@ -13,7 +13,8 @@ from torch import nn
 
 from yoso_serve.kernels import LayerNormArgs, cpu_flags, sum_parts
 
-from .dense_int8 import int8_linear, int8_weights, smooth_int8
+from .dense_int8 import int8_linear, int8_weights, shift_int8, smooth_int8
+from .derived import derived
 
 
 def activation(name: str):
@@ -131,6 +132,7 @@ class Linear(nn.Linear):
     bf16 = False  # per instance: set_dense_dtype
     int8 = False  # per instance: set_dense_dtype (model/dense_int8.py)
     int8_smooth: torch.Tensor | None = None  # per instance: dense_int8.smooth_int8 (x / smooth, W · smooth)
+    int8_shift: float | None = None  # per instance: dense_int8.shift_int8 (x + shift quantized to [0, 127])
 
     def _fast(self, x: torch.Tensor) -> bool:
         return (ONEDNN_LINEAR is not None and x.device.type == "cpu"
@@ -152,19 +154,18 @@ class Linear(nn.Linear):
                 weight = [w.contiguous() for w in weight.split(BF16_K_BLOCK, dim=1)]
             return weight, None if self.bias is None else self.bias.detach().bfloat16()
 
-        return x.bfloat16(), *_derived(self, "_bf16", [self.weight, self.bias], make, BF16_K_BLOCK)
+        return x.bfloat16(), *derived(self, "_bf16", [self.weight, self.bias], make, BF16_K_BLOCK)
 
     def _packed(self) -> torch.Tensor:
         """oneDNN's packed copy of the fp32 weights (:func:`fp32_packed`), made again whenever they changed."""
-        return _derived(self, "_packed_weight", [self.weight],
+        return derived(self, "_packed_weight", [self.weight],
                         lambda: torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS))
 
     def _int8(self, x: torch.Tensor, start: torch.Tensor | None = None, gelu: bool = False,
               norm: LayerNormArgs | None = None) -> torch.Tensor:
-        """The int8 product, weights quantized again whenever they or the smoothing vector changed."""
-        weight_q, weight_scale = int8_weights(self)
-        return int8_linear(x.float(), weight_q, weight_scale, self.bias, smooth=self.int8_smooth, start=start,
-                           gelu=gelu, norm=norm)
+        """The int8 product, weights quantized again whenever they, the smoothing vector or the shift changed."""
+        return int8_linear(x.float(), *int8_weights(self), smooth=self.int8_smooth, start=start, gelu=gelu, norm=norm,
+                           shift=self.int8_shift)
 
     def _gemm(self, x: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
         """``self(x)`` on oneDNN, fp32 out, plus ``start`` (fp32) if given: one GEMM, or in bf16 K-blocked
@@ -220,20 +221,6 @@ class Linear(nn.Linear):
         return out if norm is None else norm(out)
 
 
-def _derived(owner: nn.Module, slot: str, sources: list[torch.Tensor | None], make, *extra):
-    """``make()``, kept on ``owner`` as ``slot`` (its key as ``slot + "_key"``) and made again whenever a tensor of
-    ``sources`` (None ones left out) changed in place or was replaced, or ``extra`` changed. A source is known by its
-    version and address; an inference tensor (made under inference_mode, which cannot change in place outside it)
-    has no version counter and counts as 0. The cache holds its sources, so that no new tensor takes one's address
-    while it is kept."""
-    held = [t for t in sources if t is not None]
-    key = (*((0 if t.is_inference() else t._version, t.data_ptr()) for t in held), *extra)
-    if getattr(owner, slot + "_key", None) != key:
-        setattr(owner, slot, (make(), [t.detach() for t in held]))
-        setattr(owner, slot + "_key", key)
-    return getattr(owner, slot)[0]
-
-
 def _hooked(m: nn.Module) -> bool:
     """Whether a forward hook would see ``m``'s own call (its own hooks or global ones)."""
     from torch.nn.modules import module as torch_module
@@ -259,7 +246,7 @@ def packed_side_by_side(linears: list[Linear], x: torch.Tensor) -> list[torch.Te
         bias = None if first.bias is None else torch.cat([lin.bias.detach() for lin in linears])
         return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS), bias
 
-    side = _derived(first, "_side", [t for lin in linears for t in (lin.weight, lin.bias)], make)
+    side = derived(first, "_side", [t for lin in linears for t in (lin.weight, lin.bias)], make)
     out = ONEDNN_LINEAR(x, *side, "none", [], "")
     return list(out.split([lin.out_features for lin in linears], dim=-1))
 
@@ -276,3 +263,4 @@ def set_dense_dtype(module: nn.Module, dtype: str) -> None:
             m.bf16, m.int8 = dtype == "bf16", dtype == "int8"
     if dtype == "int8":
         smooth_int8(module)
+        shift_int8(module)

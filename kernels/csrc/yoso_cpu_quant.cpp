@@ -1,15 +1,17 @@
 // The passes around the dense layers' GEMMs, registered into the module by yoso_cpu.cpp's PYBIND11_MODULE. Two
 // around an int8 GEMM (--dense-dtype int8; the GEMM itself is oneDNN's, kernels/dense_int8.py's int8_sums):
 //
-//   quantize_rows(x (R, K) fp32, smooth (K) fp32 or None) -> [q (R, K) int8, scale (R, 1) fp32]
-//     y = x / smooth (per channel, if given); scale = max(max|y|, 1e-12) / 127; q = clamp(round(y / scale), +-127)
+//   quantize_rows(x (R, K) fp32, smooth (K) fp32 or None, shift or None) -> [q (R, K) int8, scale (R, 1) fp32]
+//     y = x / smooth (per channel, if given); scale = max(max|y|, 1e-12) / 127; q = clamp(round(y / scale), +-127);
+//     with shift (an input that stays above -shift: GELU's output) y + shift to [0, 127] instead: scale =
+//     max(max(y + shift), 1e-12) / 127, q = clamp(round((y + shift) / scale), 0, 127)
 //   dequantize_rows(acc (R, N) int32 or fp32 holding integers, scale (R, 1), col_scale (N), bias (N) or None,
 //                   start (R, N) or None)
 //     -> (R, N) fp32 = float(acc) * scale * col_scale + bias + start, in that order; gelu=True: then GELU;
 //     then LayerNorm (norm_weight, norm_bias, eps) if asked: the output sub-block's norm in the same pass;
 //     bf16=True: that fp32 result rounded to bf16 (nearest, ties to even, as torch's .bfloat16())
-//   requantize_rows(acc, scale, col_scale, bias or None, gelu) -> [q, scale]: the two above in one pass (an int8
-//     layer's output straight into the next int8 layer's input)
+//   requantize_rows(acc, scale, col_scale, bias or None, gelu, shift or None) -> [q, scale]: the two above in one
+//     pass (an int8 layer's output straight into the next int8 layer's input)
 // (the sum after bf16 GEMMs, sum_parts, is in yoso_cpu_parts.cpp)
 //
 // The same IEEE operations, in the same order, as the PyTorch ops they replace (the references in
@@ -84,10 +86,12 @@ YOSO_QUANT_INLINE float gelu_erf(float x) {
   return h + h * (a * p / q);
 }
 
-// Rows [r0, r1) of x (K columns): smoothed into buf (when smooth is given), then quantized.
+// Rows [r0, r1) of x (K columns): smoothed into buf (when smooth is given), then quantized, symmetric or (shifted)
+// as row + shift to [0, 127].
 YOSO_SIMD_CLONES
-void quantize_block(const float* __restrict x, const float* __restrict smooth, int8_t* __restrict q,
-                    float* __restrict scale, int64_t r0, int64_t r1, int64_t k, float* __restrict buf) {
+void quantize_block(const float* __restrict x, const float* __restrict smooth, bool shifted, float shift,
+                    int8_t* __restrict q, float* __restrict scale, int64_t r0, int64_t r1, int64_t k,
+                    float* __restrict buf) {
   for (int64_t r = r0; r < r1; ++r) {
     const float* __restrict row = x + r * k;
     if (smooth != nullptr) {
@@ -96,13 +100,25 @@ void quantize_block(const float* __restrict x, const float* __restrict smooth, i
       row = buf;
     }
     float amax = 0.f;
+    if (shifted) {
 #pragma omp simd reduction(max : amax)
-    for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(row[c]));
+      for (int64_t c = 0; c < k; ++c) amax = std::max(amax, row[c] + shift);
+    } else {
+#pragma omp simd reduction(max : amax)
+      for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(row[c]));
+    }
     const float s = std::max(amax, kMinAbsMax) / 127.f;
     scale[r] = s;
     int8_t* __restrict out = q + r * k;
     // No `omp simd` here: with it GCC 12 found no vector type for this float-to-int8 loop and ran it one element at
     // a time (a third of the pass); left to itself it vectorises the loop.
+    if (shifted) {
+      for (int64_t c = 0; c < k; ++c) {
+        const float v = std::nearbyint((row[c] + shift) / s);
+        out[c] = static_cast<int8_t>(std::min(127.f, std::max(0.f, v)));
+      }
+      continue;
+    }
     for (int64_t c = 0; c < k; ++c) {
       const float v = std::nearbyint(row[c] / s);
       out[c] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
@@ -198,7 +214,8 @@ using yoso::rows::grain_rows;
 using yoso::rows::start_rows;
 using yoso::simd::to_bf16;
 
-std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& smooth) {
+std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::optional<torch::Tensor>& smooth,
+                                         c10::optional<double> shift) {
   check_tensor(x, "x", at::kFloat, 2);
   const int64_t rows = x.size(0), k = x.size(1);
   const float* sp = nullptr;
@@ -216,7 +233,7 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, const c10::opti
   run_without_gil([&] {
     at::parallel_for(0, rows, grain_rows(k), [&](int64_t r0, int64_t r1) {
       std::vector<float> buf(sp != nullptr ? k : 0);
-      quantize_block(xp, sp, qp, scp, r0, r1, k, buf.data());
+      quantize_block(xp, sp, shift.has_value(), float(shift.value_or(0.)), qp, scp, r0, r1, k, buf.data());
     });
   });
   return {q, scale};
@@ -294,7 +311,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& acc, const torch::Tensor& sca
 // (R, N) fp32 tensor between them. For a layer whose int8 output only feeds the next int8 layer (FFN in -> out).
 std::vector<torch::Tensor> requantize_rows(const torch::Tensor& acc, const torch::Tensor& scale,
                                            const torch::Tensor& col_scale, const c10::optional<torch::Tensor>& bias,
-                                           bool gelu) {
+                                           bool gelu, c10::optional<double> shift) {
   const float* bp = check_sums(acc, scale, col_scale, bias);
   const int64_t rows = acc.size(0), n = acc.size(1);
   torch::Tensor q = torch::empty({rows, n}, acc.options().dtype(at::kChar));
@@ -311,7 +328,8 @@ std::vector<torch::Tensor> requantize_rows(const torch::Tensor& acc, const torch
       std::vector<float> buf(n);
       for (int64_t r = r0; r < r1; ++r) {
         ap.scale_back(r, sp + r, cp, bp, nullptr, buf.data(), 1, n, gelu);
-        quantize_block(buf.data(), nullptr, qp + r * n, qsp + r, 0, 1, n, nullptr);
+        quantize_block(buf.data(), nullptr, shift.has_value(), float(shift.value_or(0.)), qp + r * n, qsp + r, 0, 1, n,
+                       nullptr);
       }
     });
   });
@@ -331,9 +349,10 @@ void to_bf16(const float* __restrict x, int64_t n, uint16_t* __restrict out) {
 
 void register_quant_ops(pybind11::module_& m) {
   m.def("quantize_rows", &quantize_rows,
-        "(x (R, K) fp32, smooth (K,) fp32 or None) -> [q (R, K) int8, scale (R, 1) fp32]: each row divided by "
-        "smooth, then by its own max|.|/127, rounded half to even, clamped to +-127",
-        py::arg("x"), py::arg("smooth"));
+        "(x (R, K) fp32, smooth (K,) fp32 or None, shift=None) -> [q (R, K) int8, scale (R, 1) fp32]: each row "
+        "divided by smooth, then by its own max|.|/127, rounded half to even, clamped to +-127; with shift, the row "
+        "plus shift by its own max/127, clamped to [0, 127]",
+        py::arg("x"), py::arg("smooth"), py::arg("shift") = py::none());
   m.def("dequantize_rows", &dequantize_rows,
         "(acc (R, N) int32 or fp32 integers, scale (R, 1) fp32, col_scale (N,) fp32, bias (N,) or None, start (R, N) "
         "fp32 or None, "
@@ -344,9 +363,9 @@ void register_quant_ops(pybind11::module_& m) {
         py::arg("gelu") = false, py::arg("bf16") = false, py::arg("norm_weight") = py::none(),
         py::arg("norm_bias") = py::none(), py::arg("eps") = 1e-12);
   m.def("requantize_rows", &requantize_rows,
-        "(acc (R, N) int32 or fp32 integers, scale (R, 1) fp32, col_scale (N,) fp32, bias (N,) or None, gelu=False) "
-        "-> [q (R, N) int8, "
-        "scale (R, 1) fp32]: quantize_rows(dequantize_rows(acc, scale, col_scale, bias, None, gelu), None), the same "
-        "bits in one pass",
-        py::arg("acc"), py::arg("scale"), py::arg("col_scale"), py::arg("bias"), py::arg("gelu") = false);
+        "(acc (R, N) int32 or fp32 integers, scale (R, 1) fp32, col_scale (N,) fp32, bias (N,) or None, gelu=False, "
+        "shift=None) -> [q (R, N) int8, scale (R, 1) fp32]: quantize_rows(dequantize_rows(acc, scale, col_scale, "
+        "bias, None, gelu), None, shift), the same bits in one pass",
+        py::arg("acc"), py::arg("scale"), py::arg("col_scale"), py::arg("bias"), py::arg("gelu") = false,
+        py::arg("shift") = py::none());
 }

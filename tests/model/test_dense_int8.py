@@ -62,7 +62,7 @@ def test_int8_bundled_model_stays_near_fp32_on_short_and_long_texts_at_the_serve
     cos = (out["int8"] * out["fp32"]).sum(-1)
     print(route, "int8 vs fp32 cosine per text:", cos.tolist())
     # Measured (torch 2.13.0, AMD EPYC, smoothed): 0.999 on the short texts (exact), 0.997 on the long one
-    # (32 hashes); with ±63 weights (u8s8) 0.998 and 0.9935. At 32 hashes the short ones fall to 0.97 with int8 and
+    # (32 hashes); with ±63 weights (u8s8, FFN out at ±127) 0.9985 and 0.996. At 32 hashes the short ones fall to 0.97 with int8 and
     # to 0.98 with bf16: q and k moved across a hash plane flip codes, which a few tokens do not average out;
     # hashes=auto never hashes them.
     assert cos.min() > (0.995 if route == "int_mm" else 0.99)
@@ -285,3 +285,31 @@ def test_int8_output_norms_run_in_the_scale_back_pass_and_a_text_keeps_its_bits_
     assert all(torch.equal(fused[h], alone[h]) for h in (0, 8))
     # exact mode: the norms' last bits, through int8 rounding (a value that lands on a step boundary moves a step)
     assert torch.nn.functional.cosine_similarity(fused[0], apart).min() > 0.999
+
+
+@pytest.mark.parametrize("route", ["int_mm", "u8s8"])
+def test_ffn_out_takes_its_gelu_input_shifted_with_127_weights_and_the_shift_folded_into_its_bias(route, monkeypatch):
+    """FFN out's input (GELU's output, never below -0.17) is quantized shifted, so on either route its weights keep
+    ±127 and its bias takes ``-0.17 · W.sum(1)``; the layer stays the fp32 product within the int8 steps, and only
+    after the exact GELU (other activations: no shift)."""
+    if route == "u8s8" and not hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        pytest.skip("this torch has no onednn::qlinear_pointwise")
+    monkeypatch.setattr(kernels_int8, "INT8_GEMM", route)
+    model = load_pretrained(default_model_dir())
+    linear.set_dense_dtype(model, "int8")
+    layer = model.encoder.encoder.layer[3]
+    shifted = [m for m in model.modules() if isinstance(m, linear.Linear) and m.int8_shift is not None]
+    assert shifted == [block.output.dense for block in model.encoder.encoder.layer]
+    out = layer.output.dense
+    assert out.int8_shift == dense_int8.GELU_SHIFT and out.int8_smooth is None
+    weight_q, _, bias = dense_int8.int8_weights(out)
+    assert int(weight_q.abs().max()) == 127
+    torch.testing.assert_close(bias, out.bias - dense_int8.GELU_SHIFT * out.weight.sum(dim=1), rtol=0, atol=1e-5)
+    x = torch.nn.functional.gelu(torch.randn(2, 30, out.in_features, generator=torch.Generator().manual_seed(5)))
+    with torch.inference_mode():
+        got, want = out(x), torch.nn.functional.linear(x, out.weight, out.bias)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.999
+    layer.intermediate.act_name = "relu"
+    dense_int8.shift_int8(model)
+    assert out.int8_shift is None and int(dense_int8.int8_weights(out)[0].abs().max()) == (
+        127 if route == "int_mm" else 63)
