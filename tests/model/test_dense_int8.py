@@ -313,3 +313,19 @@ def test_ffn_out_takes_its_gelu_input_shifted_with_127_weights_and_the_shift_fol
     dense_int8.shift_int8(model)
     assert out.int8_shift is None and int(dense_int8.int8_weights(out)[0].abs().max()) == (
         127 if route == "int_mm" else 63)
+
+
+def test_int8_weights_made_under_inference_mode_are_quantized_once_and_again_when_replaced():
+    """Inference tensors have no version counter: the cache keys them by address (model/derived.py)."""
+    with torch.inference_mode():
+        layer = linear.Linear(64, 32).eval()
+    linear.set_dense_dtype(layer, "int8")
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        first = dense_int8.int8_weights(layer)
+        assert dense_int8.int8_weights(layer)[0] is first[0]
+        layer.weight = torch.nn.Parameter(layer.weight * 2, requires_grad=False)
+        again = dense_int8.int8_weights(layer)
+        assert again[0] is not first[0] and torch.allclose(again[1], 2 * first[1])
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=0.05,
+                                   atol=0.05)
