@@ -93,7 +93,8 @@ def int8_sums(q: torch.Tensor, weight_q: torch.Tensor, shifted: bool = False) ->
     (|sum| ≤ 128 · 63 · K < 2^24 for K ≤ 2080), which the C++ passes read as they are (no pass to cast them).
     ``shifted``: q holds rows quantized to [0, 127] (``int8_rows(shift=...)``), which the u8 route takes as they are
     with ±127 weights; their sums are exact below 2^24 (127 · 127 · K: every sum for K ≤ 1040, and FFN out's real
-    ones, which stay two orders below it) and past it rounded once to fp32, the same at any row count."""
+    ones: at most 3.2e5 in the bundled model on 64 texts of 128 tokens and two of 2000) and past it rounded once to
+    fp32, the same at any row count."""
     packed = None
     fits = shifted or q.shape[-1] * 128 * U8S8_WEIGHT_LEVELS < 2 ** 24
     if INT8_GEMM == "u8s8" and q.device.type == "cpu" and fits and len(q) > 0:
