@@ -29,7 +29,7 @@ from peer import corpus  # noqa: E402
 
 from yoso_serve.kernels import int8_rows  # noqa: E402
 from yoso_serve.model import default_model_dir, encoder, linear, load_pretrained  # noqa: E402
-from yoso_serve.model.dense_int8 import quantize_weight, shift_int8, smooth_int8  # noqa: E402
+from yoso_serve.model.dense_int8 import quantize_weight, shift_int8, shift_of, smooth_int8  # noqa: E402
 from yoso_serve.model.hashes import AUTO_EXACT_BELOW  # noqa: E402
 
 KINDS = {"Q": "attention.self.query", "K": "attention.self.key", "V": "attention.self.value",
@@ -110,7 +110,7 @@ def input_stats(m: linear.Linear, x: torch.Tensor) -> dict[str, float]:
     channel = x.abs().amax(dim=0)  # (in,)
     argmax = x.abs().argmax(dim=1)
     top_share = torch.bincount(argmax, minlength=x.shape[1]).max().item() / len(x)
-    shift = m.int8_shift  # FFN out: its input shifted, its weights at ±127 (model/dense_int8.py)
+    shift = shift_of(m)  # FFN out on the u8 route: its input shifted, its weights at ±127 (model/dense_int8.py)
     q, s = quantize_weight(m.weight, levels=127 if shift is not None else None)
     w_fake = q.float() * s[:, None]
     ref = F.linear(x, m.weight)
@@ -168,7 +168,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.short} texts of {args.short_tokens} "
           f"tokens (exact), {args.long} of 2000 (32 hashes); cosine to fp32: mean short (min) / mean long")
     every = [m for kind in KINDS for m in linears(model, kind)]
-    shift_int8(model)  # FFN out's input shifted, as --dense-dtype int8 serves it
+    shift_int8(model)  # FFN out's input shifted on the u8 route, as --dense-dtype int8 serves it
     inputs = captured_inputs(model, short)
     print("| int8 | short | min | long | row max / rms | channel max / median | rows whose max is the same channel "
           "| rel. err. int8 x only | W only | both |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

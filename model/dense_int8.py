@@ -11,9 +11,10 @@ tokens: the channels that stand out do so for any text (random tokens gave the s
 bench/int8_layers.py). ``s`` is rounded to a power of two, so dividing and multiplying by it are exact and a
 last-bit difference in the calibration between machines almost never changes it.
 
-FFN out's input, GELU's output, is shifted (:func:`shift_int8`): it never goes below -0.17, so each row plus 0.17 is
-quantized to [0, 127] rather than symmetrically, which leaves the row's step as it was and lets the AVX2 route keep
-±127 weights there (±63 otherwise: kernels/dense_int8.py); the bias takes ``-0.17 · W.sum(1)`` back out."""
+On the AVX2 route (u8 × s8, kernels/dense_int8.py) FFN out's input, GELU's output, is shifted (:func:`shift_of`): it
+never goes below -0.17, so each row plus 0.17 is quantized to [0, 127] rather than symmetrically, which lets that
+layer keep ±127 weights there (±63 otherwise); the bias takes ``-0.17 · W.sum(1)`` back out. With VNNI the weights
+are ±127 anyway and the symmetric rows keep the finer step (max / 127, not (max + 0.17) / 127), so no shift."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from yoso_serve.kernels import LayerNormArgs, int8_linear, int8_linear_rows, int8_rows, weight_levels
+from yoso_serve.kernels import LayerNormArgs, int8_gemm, int8_linear, int8_linear_rows, int8_rows, weight_levels
 
 from .derived import derived
 
@@ -44,25 +45,31 @@ def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None,
 def int8_weights(lin: nn.Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(weight_q, weight_scale, bias) for :func:`yoso_serve.kernels.int8_linear`: ``lin``'s weights times its
     smoothing vector, quantized (:func:`quantize_weight`; ±127 where its input is shifted), and its bias, less
-    ``shift · (W · smooth).sum(1)`` where it is; kept on ``lin`` until the weights, the bias, the vector, the shift
-    or the GEMM's route change."""
-    shift = lin.int8_shift
+    ``shift · (W · smooth).sum(1)`` where it is (:func:`shift_of`); kept on ``lin`` until the weights, the bias, the
+    vector, the shift or the GEMM's route change."""
+    shift = shift_of(lin)
     levels = 127 if shift is not None else weight_levels()
 
     def make():
         weight_q, weight_scale = quantize_weight(lin.weight, lin.int8_smooth, levels)
         bias = None if lin.bias is None else lin.bias.detach().float()
         if shift is not None:
-            w = lin.weight.detach().float() if lin.int8_smooth is None else lin.weight.detach().float() * lin.int8_smooth
+            w = lin.weight.detach().float()
+            w = w if lin.int8_smooth is None else w * lin.int8_smooth
             bias = -shift * w.sum(dim=1) + (0 if bias is None else bias)
         return weight_q, weight_scale, bias
 
     return derived(lin, "_int8_weight", [lin.weight, lin.bias, lin.int8_smooth], make, levels, shift)
 
 
+def shift_of(lin: nn.Linear) -> float | None:
+    """The shift ``lin``'s int8 input takes: its ``int8_shift`` (:func:`shift_int8`) on the u8 route, else None."""
+    return lin.int8_shift if int8_gemm() == "u8s8" else None
+
+
 def shift_int8(model: nn.Module) -> None:
-    """Give FFN out of every block whose FFN in ends in the exact GELU its input shift (:data:`GELU_SHIFT`), and
-    take it away elsewhere."""
+    """Mark FFN out of every block whose FFN in ends in the exact GELU with its input's floor (:data:`GELU_SHIFT`:
+    the shift it takes on the u8 route, :func:`shift_of`), and unmark it elsewhere."""
     for m in model.modules():
         inner, outer = getattr(m, "intermediate", None), getattr(m, "output", None)
         dense = getattr(outer, "dense", None)
@@ -170,7 +177,7 @@ def int8_feed_forward(intermediate: nn.Module, output: nn.Module, x: torch.Tenso
     if not (inner.int8 and outer.int8 and outer.int8_smooth is None and intermediate.act_name == "gelu"
             and not output.training and inner._fast(x)):
         return None
-    rows = int8_linear_rows(x, *int8_weights(inner), smooth=inner.int8_smooth, gelu=True, shift=outer.int8_shift)
+    rows = int8_linear_rows(x, *int8_weights(inner), smooth=inner.int8_smooth, gelu=True, shift=shift_of(outer))
     if rows is None:
         return None
     norm = LayerNormArgs.of(output.LayerNorm)  # applied as the sums are scaled back

@@ -13,7 +13,7 @@ from torch import nn
 
 from yoso_serve.kernels import LayerNormArgs, cpu_flags, sum_parts
 
-from .dense_int8 import int8_linear, int8_weights, shift_int8, smooth_int8
+from .dense_int8 import int8_linear, int8_weights, shift_int8, shift_of, smooth_int8
 from .derived import derived
 
 
@@ -132,7 +132,7 @@ class Linear(nn.Linear):
     bf16 = False  # per instance: set_dense_dtype
     int8 = False  # per instance: set_dense_dtype (model/dense_int8.py)
     int8_smooth: torch.Tensor | None = None  # per instance: dense_int8.smooth_int8 (x / smooth, W · smooth)
-    int8_shift: float | None = None  # per instance: dense_int8.shift_int8 (x + shift quantized to [0, 127])
+    int8_shift: float | None = None  # per instance: dense_int8.shift_int8 (its input's floor: dense_int8.shift_of)
 
     def _fast(self, x: torch.Tensor) -> bool:
         return (ONEDNN_LINEAR is not None and x.device.type == "cpu"
@@ -165,7 +165,7 @@ class Linear(nn.Linear):
               norm: LayerNormArgs | None = None) -> torch.Tensor:
         """The int8 product, weights quantized again whenever they, the smoothing vector or the shift changed."""
         return int8_linear(x.float(), *int8_weights(self), smooth=self.int8_smooth, start=start, gelu=gelu, norm=norm,
-                           shift=self.int8_shift)
+                           shift=shift_of(self))
 
     def _gemm(self, x: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
         """``self(x)`` on oneDNN, fp32 out, plus ``start`` (fp32) if given: one GEMM, or in bf16 K-blocked

@@ -288,31 +288,35 @@ def test_int8_output_norms_run_in_the_scale_back_pass_and_a_text_keeps_its_bits_
 
 
 @pytest.mark.parametrize("route", ["int_mm", "u8s8"])
-def test_ffn_out_takes_its_gelu_input_shifted_with_127_weights_and_the_shift_folded_into_its_bias(route, monkeypatch):
-    """FFN out's input (GELU's output, never below -0.17) is quantized shifted, so on either route its weights keep
-    ±127 and its bias takes ``-0.17 · W.sum(1)``; the layer stays the fp32 product within the int8 steps, and only
-    after the exact GELU (other activations: no shift)."""
+def test_ffn_out_takes_its_gelu_input_shifted_on_the_u8_route_with_127_weights_and_the_shift_in_its_bias(route,
+                                                                                                      monkeypatch):
+    """On the u8 route FFN out's input (GELU's output, never below -0.17) is quantized shifted, so its weights keep
+    ±127 there and its bias takes ``-0.17 · W.sum(1)``; with VNNI (int_mm) it stays symmetric, its bias as it is.
+    Either way the layer stays the fp32 product within the int8 steps; only after the exact GELU."""
     if route == "u8s8" and not hasattr(torch.ops.onednn, "qlinear_pointwise"):
         pytest.skip("this torch has no onednn::qlinear_pointwise")
     monkeypatch.setattr(kernels_int8, "INT8_GEMM", route)
     model = load_pretrained(default_model_dir())
     linear.set_dense_dtype(model, "int8")
     layer = model.encoder.encoder.layer[3]
-    shifted = [m for m in model.modules() if isinstance(m, linear.Linear) and m.int8_shift is not None]
-    assert shifted == [block.output.dense for block in model.encoder.encoder.layer]
+    marked = [m for m in model.modules() if isinstance(m, linear.Linear) and m.int8_shift is not None]
+    assert marked == [block.output.dense for block in model.encoder.encoder.layer]
     out = layer.output.dense
-    assert out.int8_shift == dense_int8.GELU_SHIFT and out.int8_smooth is None
+    shift = dense_int8.shift_of(out)
+    assert shift == (dense_int8.GELU_SHIFT if route == "u8s8" else None) and out.int8_smooth is None
     weight_q, _, bias = dense_int8.int8_weights(out)
     assert int(weight_q.abs().max()) == 127
-    torch.testing.assert_close(bias, out.bias - dense_int8.GELU_SHIFT * out.weight.sum(dim=1), rtol=0, atol=1e-5)
+    folded = out.bias - (shift or 0.0) * out.weight.sum(dim=1)
+    torch.testing.assert_close(bias, folded, rtol=0, atol=1e-5)
+    assert (route == "u8s8") == (not torch.equal(bias, out.bias))
     x = torch.nn.functional.gelu(torch.randn(2, 30, out.in_features, generator=torch.Generator().manual_seed(5)))
     with torch.inference_mode():
         got, want = out(x), torch.nn.functional.linear(x, out.weight, out.bias)
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.999
     layer.intermediate.act_name = "relu"
     dense_int8.shift_int8(model)
-    assert out.int8_shift is None and int(dense_int8.int8_weights(out)[0].abs().max()) == (
-        127 if route == "int_mm" else 63)
+    assert out.int8_shift is None and dense_int8.shift_of(out) is None
+    assert int(dense_int8.int8_weights(out)[0].abs().max()) == (127 if route == "int_mm" else 63)
 
 
 def test_int8_weights_made_under_inference_mode_are_quantized_once_and_again_when_replaced():
