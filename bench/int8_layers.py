@@ -120,7 +120,8 @@ def input_stats(m: linear.Linear, x: torch.Tensor) -> dict[str, float]:
 
     return {"row max / rms": (amax / rms).median().item(),
             "channel max / median": (channel.max() / channel.median()).item(),
-            "rows whose max is the same channel": top_share, "int8 x only": err(F.linear(fake_rows(x, shift), m.weight)),
+            "rows whose max is the same channel": top_share,
+            "int8 x only": err(F.linear(fake_rows(x, shift), m.weight)),
             "int8 W only": err(F.linear(x, w_fake)), "both": err(F.linear(fake_rows(x, shift), w_fake))}
 
 

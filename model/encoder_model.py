@@ -68,8 +68,8 @@ class EncoderModel(nn.Module):
         (``dense``: "fp32", "bf16" or "int8", see ``set_dense_dtype``) and exact mode's kernel (``exact_kernel``: "op"
         or "flex", see ``set_exact_kernel``; with bf16 or int8 dense layers on the C++ backend ``exact_bf16_dots``,
         whether that kernel takes their bf16 q and k by AVX-512 BF16 dot products; with int8 ``int8_gemm``, the int8
-        GEMM's route, "int_mm" or "u8s8" with ±63 weights, :func:`yoso_serve.kernels.int8_gemm`): what
-        /info shows."""
+        GEMM's route, "int_mm" or "u8s8" with ±63 weights (FFN out's ±127), :func:`yoso_serve.kernels.int8_gemm`):
+        what /info shows."""
         info = backend_info()
         info["hashing"] = "int8" if self.config.hash_int8 else "fp32"
         info["dense"] = next((d for d in ("bf16", "int8") if any(getattr(m, d, False) for m in self.modules())),

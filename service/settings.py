@@ -96,9 +96,9 @@ class ServeSettings(BaseSettings):
         "speed of a forward where the CPU has bf16 instructions (AVX512-BF16 or AMX), embeddings within about "
         "1e-3 of fp32 and retrieval unchanged (docs/benchmarks.md, \"Dense layers\"). int8 = per-channel int8 "
         "weights, activations quantized per row (LayerNorm-fed layers smoothed), int32 sums; opt-in: 1.29-1.51x "
-        "bf16's forward with AVX-512 VNNI (1.38-1.67x fp32's on AVX2 CPUs, weights to +-63 there), 0.998-0.999 "
-        "cosine to fp32 at hashes=auto, short-text recall@1 -0.012 and +0.003 of fp32's "
-        "on two unseen corpora (docs/benchmarks.md, \"int8 GEMMs\"). auto = bf16 on such a CPU, else fp32.")
+        "bf16's forward with AVX-512 VNNI (1.43-1.75x fp32's on AVX2 CPUs, weights to +-63 there but FFN out's +-127), "
+        "0.998-0.999 cosine to fp32 at hashes=auto, short-text recall@1 -0.012 and +0.003 of fp32's on two unseen "
+        "corpora (-0.008 on AVX2) (docs/benchmarks.md, \"int8 GEMMs\"). auto = bf16 on such a CPU, else fp32.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weights and activations of the torch runtime on CUDA. auto = float16 on CUDA (what "
         "text-embeddings-inference serves there), float32 on CPU, where --dense-dtype picks the precision of the "

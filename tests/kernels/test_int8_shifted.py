@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from yoso_serve.kernels import Int8Rows, dense_int8, int8_linear, int8_linear_ref, int8_linear_rows, int8_rows, int8_sums
+from yoso_serve.kernels import (Int8Rows, dense_int8, int8_linear, int8_linear_ref, int8_linear_rows, int8_rows,
+                                int8_sums)
 
 SHIFT = 0.17
 
@@ -44,7 +45,8 @@ def test_shifted_rows_go_to_0_127_by_their_own_max_rounded_half_to_even(ext):
         assert torch.equal(cq, pq) and torch.equal(cscale, pscale)
     smooth = torch.exp2(torch.randint(-2, 3, (1536,), generator=torch.Generator().manual_seed(1)).float())
     x = gelu_like(40, 1536, seed=2)
-    assert all(torch.equal(a, b) for a, b in zip(ext.quantize_rows(x, smooth, SHIFT), int8_rows(x / smooth, shift=SHIFT)))
+    pairs = zip(ext.quantize_rows(x, smooth, SHIFT), int8_rows(x / smooth, shift=SHIFT))
+    assert all(torch.equal(a, b) for a, b in pairs)
 
 
 def test_the_u8_route_sums_shifted_rows_exactly_with_127_weights_without_int_mm(route):

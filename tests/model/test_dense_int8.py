@@ -62,9 +62,9 @@ def test_int8_bundled_model_stays_near_fp32_on_short_and_long_texts_at_the_serve
     cos = (out["int8"] * out["fp32"]).sum(-1)
     print(route, "int8 vs fp32 cosine per text:", cos.tolist())
     # Measured (torch 2.13.0, AMD EPYC, smoothed): 0.999 on the short texts (exact), 0.997 on the long one
-    # (32 hashes); with ±63 weights (u8s8, FFN out at ±127) 0.9985 and 0.996. At 32 hashes the short ones fall to 0.97 with int8 and
-    # to 0.98 with bf16: q and k moved across a hash plane flip codes, which a few tokens do not average out;
-    # hashes=auto never hashes them.
+    # (32 hashes); with ±63 weights (u8s8, FFN out at ±127) 0.9985 and 0.996. At 32 hashes the short ones fall to 0.97
+    # with int8 and to 0.98 with bf16: q and k moved across a hash plane flip codes, which a few tokens do not average
+    # out; hashes=auto never hashes them.
     assert cos.min() > (0.995 if route == "int_mm" else 0.99)
 
 
