@@ -9,10 +9,10 @@ u8 by 128 and the weights quantized to ±63 (:func:`weight_levels`), so no pair 
 16-bit sums those kernels make without VNNI. Either way the sums are exact integers.
 
 A layer whose input stays above a known floor (FFN out: GELU's output is above -0.17) can take it shifted
-(``shift``): each row plus the shift quantized to [0, 127] on its own. On the u8 route those rows go in as u8
-without the 128 offset, so its weights keep ±127 (2 · 127 · 127 < 2^15); on either route the row's step is that of
-8 symmetric bits over a range that is mostly on one side of zero. The product is then that of ``x + shift``: the
-caller folds ``-shift · W.sum(1)`` into the bias (model/dense_int8.py).
+(``shift``): each row plus the shift quantized to [0, 127] on its own, a step of (max + shift) / 127 against the
+symmetric max / 127. On the u8 route those rows go in as u8 without the 128 offset, so the layer's weights keep
+±127 (2 · 127 · 127 < 2^15). The product is then that of ``x + shift``: the caller folds ``-shift · W.sum(1)`` into
+the bias (model/dense_int8.py, which shifts on the u8 route only).
 
 :func:`int8_linear` runs the two passes around the GEMM in C++ (csrc/yoso_cpu_quant.cpp), one pass each, where
 the extension is built; :func:`int8_linear_ref` is the same formula in PyTorch ops and the same bits (the C++

@@ -24,7 +24,6 @@ namespace {
 // rows ahead, as exact mode does (yoso_cpu_exact.cpp).
 constexpr int64_t kRowsAhead = 8;
 
-
 // The int8 hashing body: AVX-512 VNNI (u8 x s8 dot products, 64 per instruction) unless YOSO_CPU_PORTABLE=1
 // or YOSO_CPU_NO_VNNI=1 (the tests use it to cover the AVX2 body on a VNNI machine).
 bool use_vnni() {
