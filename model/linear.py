@@ -159,7 +159,7 @@ class Linear(nn.Linear):
     def _packed(self) -> torch.Tensor:
         """oneDNN's packed copy of the fp32 weights (:func:`fp32_packed`), made again whenever they changed."""
         return derived(self, "_packed_weight", [self.weight],
-                        lambda: torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS))
+                       lambda: torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS))
 
     def _int8(self, x: torch.Tensor, start: torch.Tensor | None = None, gelu: bool = False,
               norm: LayerNormArgs | None = None) -> torch.Tensor:
