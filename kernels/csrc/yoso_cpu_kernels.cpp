@@ -47,8 +47,7 @@ YOSO_SIMD_CLONES void build_value_table(const int32_t* codes, const float* v, in
   const int64_t width = kDv > 0 ? kDv : dv;
   int32_t used = 0;
   for (int64_t j = 0; j < nk; ++j) {
-    if (j + 8 < nk)  // v's rows are a head's slice of each token's V, thousands of bytes apart: asked for ahead
-      for (int64_t off = 0; off < width; off += 16) __builtin_prefetch(v + (j + 8) * ldv + off);
+    simd::prefetch_ahead(v, ldv, j, nk, width);
     const int32_t c = codes[j];
     if (c < 0) continue;
     int32_t s = slot_of[c];

@@ -20,10 +20,6 @@
 namespace yoso::simd {
 namespace {
 
-// The rows of x come thousands of bytes apart (a head's slice of each token's Q or K): each is asked for this many
-// rows ahead, as exact mode does (yoso_cpu_exact.cpp).
-constexpr int64_t kRowsAhead = 8;
-
 // The int8 hashing body: AVX-512 VNNI (u8 x s8 dot products, 64 per instruction) unless YOSO_CPU_PORTABLE=1
 // or YOSO_CPU_NO_VNNI=1 (the tests use it to cover the AVX2 body on a VNNI machine).
 bool use_vnni() {
@@ -87,8 +83,7 @@ YOSO_VNNI void hash_vnni(const float* x, int64_t ldx, int64_t rows, int64_t d, c
   u.resize(rows * dpad);
   sign_bits.assign(rows * nb, 0);
   for (int64_t r = 0; r < rows; ++r) {
-    if (r + kRowsAhead < rows)  // as quantize_rows_ahead (timed on AVX2 only)
-      for (int64_t off = 0; off < d; off += 16) __builtin_prefetch(x + (r + kRowsAhead) * ldx + off);
+    prefetch_ahead(x, ldx, r, rows, d);  // timed on AVX2 only (quantize_rows_ahead)
     quantize_u8_vnni(x + r * ldx, d, dpad, u.data() + r * dpad);
   }
   const int8_t* w = pp.w + head * pp.cols16 * dpad;
@@ -162,8 +157,7 @@ void quantize_rows_ahead(const float* x, int64_t ldx, int64_t rows, int64_t d, f
   constexpr bool avx2 = false;
 #endif
   for (int64_t r = 0; r < rows; ++r) {
-    if (r + kRowsAhead < rows)
-      for (int64_t off = 0; off < d; off += 16) __builtin_prefetch(x + (r + kRowsAhead) * ldx + off);
+    prefetch_ahead(x, ldx, r, rows, d);
 #ifdef YOSO_HAVE_VNNI_BODY
     if (avx2) {
       quantize_row_avx2(x + r * ldx, d, out + r * d);
