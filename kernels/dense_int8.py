@@ -66,11 +66,18 @@ def weight_levels() -> int:
     return 127 if INT8_GEMM == "int_mm" else U8S8_WEIGHT_LEVELS
 
 
+def tensor_key(t: torch.Tensor) -> tuple[int, int]:
+    """What tells a tensor's data apart over time, for caches of tensors made from it: its version and address.
+    An inference tensor (made under inference_mode, which cannot change in place outside it) has no version
+    counter and counts as 0."""
+    return 0 if t.is_inference() else t._version, t.data_ptr()
+
+
 def _u8s8_weight(weight_q: torch.Tensor, shifted: bool = False) -> tuple | None:
     """oneDNN's packed copy of ``weight_q`` (out, in) with unit scales and zero points, kept while the tensor lives;
     None where a weight exceeds ±63, or ±127 for ``shifted`` rows (those sums could overflow: :func:`int8_mm` takes
     ``_int_mm`` then). Kept on the tensor itself until its data change."""
-    key = (0 if weight_q.is_inference() else weight_q._version, weight_q.data_ptr())
+    key = tensor_key(weight_q)
     hit = getattr(weight_q, "_u8s8", None)
     if hit is None or hit[0] != key:
         # not abs(): int8's -128 has none; it is past ±127 too

@@ -19,12 +19,6 @@
 #endif
 
 namespace yoso::simd {
-namespace {
-
-constexpr float kPi = 3.14159265358979323846f;
-// arccos(a) = sqrt(1 - a) * sum_i kAcos[i] a^i on [0, 1], |error| <= 2e-8 (A&S 4.4.46)
-constexpr float kAcos[8] = {1.5707963050f, -0.2145988016f, 0.0889789874f, -0.0501743046f,
-                            0.0308918810f, -0.0170881256f, 0.0066700901f, -0.0012624911f};
 
 bool use_avx2() {
   static const bool avx2 = [] {
@@ -37,6 +31,13 @@ bool use_avx2() {
   }();
   return avx2;
 }
+
+namespace {
+
+constexpr float kPi = 3.14159265358979323846f;
+// arccos(a) = sqrt(1 - a) * sum_i kAcos[i] a^i on [0, 1], |error| <= 2e-8 (A&S 4.4.46)
+constexpr float kAcos[8] = {1.5707963050f, -0.2145988016f, 0.0889789874f, -0.0501743046f,
+                            0.0308918810f, -0.0170881256f, 0.0066700901f, -0.0012624911f};
 
 // ---- portable bodies ----
 

@@ -106,6 +106,9 @@ inline void prefetch_ahead(const T* x, int64_t ld, int64_t row, int64_t rows, in
 // Which bodies run: "avx2" or "portable" (YOSO_CPU_PORTABLE=1 in the environment forces the latter).
 const char* level();
 
+// Whether the AVX2 bodies run (level() is "avx2").
+bool use_avx2();
+
 // Whether the environment sets name to exactly "1" (the YOSO_CPU_* switches the tests use to pick bodies).
 bool env_flag(const char* name);
 

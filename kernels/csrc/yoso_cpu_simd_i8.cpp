@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <string>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -152,7 +151,7 @@ YOSO_AVX2_ROW void quantize_row_avx2(const float* x, int64_t d, float* out) {
 
 void quantize_rows_ahead(const float* x, int64_t ldx, int64_t rows, int64_t d, float* out) {
 #ifdef YOSO_HAVE_VNNI_BODY
-  static const bool avx2 = std::string(level()) == "avx2";
+  const bool avx2 = use_avx2();
 #else
   constexpr bool avx2 = false;
 #endif
