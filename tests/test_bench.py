@@ -244,3 +244,39 @@ def test_fp32_packed_compares_both_paths_on_the_same_bits_and_puts_the_switch_ba
     assert len(out["ratios"]) == 2 and all(r > 0 for r in out["ratios"]) and set(out["ms"]) == {"plain", "packed"}
     assert out["same"]
     assert "| 2 × 24 |" in fp32_packed.table({(2, 24): out})
+
+
+def test_paired_evals_pair_each_query_of_two_evals_per_corpus_and_pooled(tmp_path, capsys):
+    import json
+
+    import paired_evals
+    import pytest
+
+    def write(name, deep, short, sha="s"):
+        folder = tmp_path / name
+        folder.mkdir()
+        results = {"deep_hits": {"docs": 2, "student, one pass": deep}, "deep_corpus_sha256": "d",
+                   "short_hits": {"pairs": len(short), "student": short, "teacher": [1] * len(short)},
+                   "short_corpus_sha256": sha}
+        (folder / "results.json").write_text(json.dumps(results))
+        return folder
+
+    a, b = write("a", [1, 1, 0, 0], [1, 1, 1, 1]), write("b", [1, 1, 1, 0], [1, 1, 1, 0])
+    c, d = write("c", [0, 0, 0, 0], [1, 0]), write("d", [0, 0, 0, 0], [1, 0])
+    rows = paired_evals.main([f"one={a},{b}", f"two={c},{d}"])
+    got = {(r["corpus"], r["measure"]): r for r in rows}
+    assert got["one", "student, one pass"]["recall_at_1"] == pytest.approx(0.25)  # candidate − baseline
+    assert got["one", paired_evals.SHORT]["recall_at_1"] == pytest.approx(-0.25)
+    assert (got["one", paired_evals.SHORT]["baseline"], got["one", paired_evals.SHORT]["candidate"]) == (1.0, 0.75)
+    assert got["two", paired_evals.SHORT]["recall_at_1"] == 0 == got["two", paired_evals.SHORT]["ci95_low"]
+    pooled = got["pooled", paired_evals.SHORT]  # every query of both corpora
+    assert pooled["queries"] == 6 and pooled["recall_at_1"] == pytest.approx(-1 / 6)
+    assert pooled["ci95_low"] <= pooled["recall_at_1"] <= pooled["ci95_high"]
+    printed = capsys.readouterr().out
+    assert "| one | short texts, student | 4 | 1.000 | 0.750 | -0.2500" in printed and "| **no** |" in printed
+    with pytest.raises(SystemExit):  # the two evals of a corpus read other short pairs: refused, not paired
+        paired_evals.main([f"one={a},{write('e', [1, 1, 0, 0], [1, 1, 1, 1], sha='other')}"])
+    assert "different short queries" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        paired_evals.main([f"one={a}"])
+    assert "expected NAME=BASELINE_DIR,CANDIDATE_DIR" in capsys.readouterr().err

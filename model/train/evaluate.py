@@ -176,8 +176,10 @@ def retrieval_results(args: argparse.Namespace, model: EncoderModel, teacher: Be
                                                      own_windows=args.own_windows)
     # what the hits are hits on: two evals' hits pair up query by query only if this matches
     corpus = hashlib.sha256("\x00".join([*docs, "\x01", *queries]).encode()).hexdigest()
+    short, short_hits = retrieval.short_retrieval(emb, firsts, rests) if len(firsts) >= 2 else ([], {})
     return {"deep_retrieval": deep, "deep_margin": margins, "deep_hits": hits, "deep_corpus_sha256": corpus,
-            "short_retrieval": retrieval.short_retrieval(emb, firsts, rests) if len(firsts) >= 2 else []}
+            "short_retrieval": short, "short_hits": short_hits,
+            "short_corpus_sha256": hashlib.sha256("\x00".join([*firsts, "\x01", *rests]).encode()).hexdigest()}
 
 
 def markdown(rows: list[dict]) -> str:

@@ -341,11 +341,14 @@ def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str], *,
     return rows, margins, hits
 
 
-def short_retrieval(emb: Embedders, firsts: list[str], rests: list[str]) -> list[dict]:
-    return [{"method": "student", "pairs": len(firsts),
-             **scores(emb.student_one_pass(firsts), emb.student_one_pass(rests))},
-            {"method": "teacher", "pairs": len(firsts),
-             **scores(emb.teacher_truncated(firsts), emb.teacher_truncated(rests))}]
+def short_retrieval(emb: Embedders, firsts: list[str], rests: list[str]) -> tuple[list[dict], dict]:
+    """Each paragraph's first sentence asks for the rest of it among all the rests, student and teacher: (a row of
+    recall@1 and MRR@10 each, {"pairs": n, "student": hits, "teacher": hits}, a pair's hit 1 where its rest ranked
+    first), the hits for pairing two evals of the same pairs (:func:`pooled_margin`, one pair a document)."""
+    ranks = {"student": score_ranks(emb.student_one_pass(firsts), emb.student_one_pass(rests)),
+             "teacher": score_ranks(emb.teacher_truncated(firsts), emb.teacher_truncated(rests))}
+    rows = [{"method": who, "pairs": len(firsts), **_metrics(r)} for who, r in ranks.items()]
+    return rows, {"pairs": len(firsts), **{who: (r == 0).int().tolist() for who, r in ranks.items()}}
 
 
 def score_center(related: torch.Tensor, unrelated: torch.Tensor) -> float:

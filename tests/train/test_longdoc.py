@@ -443,6 +443,11 @@ def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, w
     for row in deep.values():
         assert row["docs"] == 6 and 0 <= row["recall_at_1"] <= row["mrr_at_10"] <= 1 and row["docs_per_s"] > 0
     assert [r["method"] for r in results["short_retrieval"]] == ["student", "teacher"]
+    short = results["short_hits"]  # each pair's hit, for pairing two evals of the same pairs
+    for row in results["short_retrieval"]:
+        hits = short[row["method"]]
+        assert short["pairs"] == row["pairs"] == len(hits) and set(hits) <= {0, 1}
+        assert sum(hits) / len(hits) == pytest.approx(row["recall_at_1"])
     margins = results["deep_margin"]
     assert [(m["student"], m["teacher"]) for m in margins] == [(list(deep)[0], list(deep)[1]),
                                                                 (list(deep)[4], list(deep)[3])]
@@ -494,6 +499,9 @@ def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, w
     corpus = {name: json.loads((tmp_path / name / "results.json").read_text())["deep_corpus_sha256"]
               for name in ("single", "own", "finer", "draws")}
     assert corpus["single"] == corpus["own"] == corpus["finer"] == results["deep_corpus_sha256"] != corpus["draws"]
+    short_corpus = {json.loads((tmp_path / name / "results.json").read_text())["short_corpus_sha256"]
+                    for name in ("single", "own", "finer", "draws")}
+    assert short_corpus == {results["short_corpus_sha256"]}  # the same pairs: the query draws are the deep ones'
     assert main(["eval", "--model", str(tiny_yoso), "--teacher", str(tiny_bert), "--retrieval-data", str(docs),
                  "--window", "16", "--query-draws", "0", "--out", str(tmp_path / "bad0")]) == 2
     assert "--query-draws must be >= 1, got 0" in capsys.readouterr().err

@@ -1,0 +1,105 @@
+"""Two evals of the same queries, paired: recall@1 of a baseline run (``fp32``) and of a candidate run (int8,
+bf16, another model) of ``yoso-train eval``, each row of the deep table and the short pairs, and the candidate
+minus the baseline query by query with its 95 % interval (a bootstrap over documents, a short pair its own
+document: ``retrieval.pooled_margin``), per corpus and pooled over the corpora. Whether a difference is within
+``--bar`` (issue 77: recall@1 within 0.005 of fp32) is read off the point estimate; the interval says how far
+the queries can tell.
+
+The evals must have read the same documents, queries and short pairs (their ``*_corpus_sha256``); each corpus
+is given as NAME=BASELINE_DIR,CANDIDATE_DIR (the evals' ``--out`` folders):
+
+    .venv/bin/python bench/paired_evals.py postgresql=/tmp/pg_fp32,/tmp/pg_int8 seven=/tmp/un_fp32,/tmp/un_int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from yoso_serve.model.train.retrieval import pooled_margin
+
+SHORT = "short texts, student"
+
+
+def read_eval(folder: Path) -> dict:
+    path = folder / "results.json"
+    if not path.is_file():
+        raise ValueError(f"{folder}: no results.json (an eval's --out folder, finished)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def hits_of(results: dict) -> dict[str, tuple[list[int], int]]:
+    """Row name → (hits, documents) of one eval: the deep table's rows and the student's short pairs (one pair a
+    document). An eval from before the short pairs' hits were written has the deep rows only."""
+    rows = {}
+    deep = results.get("deep_hits") or {}
+    for name, hits in deep.items():
+        if name != "docs":
+            rows[name] = (hits, deep["docs"])
+    short = results.get("short_hits") or {}
+    if "student" in short:
+        rows[SHORT] = (short["student"], short["pairs"])
+    return rows
+
+
+def paired(corpora: dict[str, tuple[dict, dict]]) -> list[dict]:
+    """A row per (corpus, measure) both evals of a corpus have, then each measure pooled over the corpora that
+    have it: baseline and candidate recall@1, the paired difference and its interval. ValueError where two evals
+    of a corpus read different documents or short pairs."""
+    out, pooled = [], {}
+    for corpus, (base, cand) in corpora.items():
+        for key in ("deep_corpus_sha256", "short_corpus_sha256"):
+            if base.get(key) != cand.get(key):
+                raise ValueError(f"{corpus}: the two evals read different {key.split('_')[0]} queries ({key} differs)")
+        a, b = hits_of(base), hits_of(cand)
+        for name in [n for n in a if n in b]:
+            (hb, docs), (hc, _) = a[name], b[name]
+            m = pooled_margin([(hc, hb, docs)])
+            out.append({"corpus": corpus, "measure": name, "queries": len(hb), "baseline": sum(hb) / len(hb),
+                        "candidate": sum(hc) / len(hc), **m})
+            pooled.setdefault(name, []).append((hc, hb, docs))
+    if len(corpora) > 1:
+        for name, parts in pooled.items():
+            if len(parts) == len(corpora):
+                base_hits = [h for _, hb, _ in parts for h in hb]
+                cand_hits = [h for hc, _, _ in parts for h in hc]
+                out.append({"corpus": "pooled", "measure": name, "queries": len(base_hits),
+                            "baseline": sum(base_hits) / len(base_hits), "candidate": sum(cand_hits) / len(cand_hits),
+                            **pooled_margin(parts)})
+    return out
+
+
+def table(rows: list[dict], bar: float) -> str:
+    lines = ["| corpus | measure | queries | baseline | candidate | candidate − baseline (95 % interval) | "
+             f"within {bar} |", "|---|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        within = "yes" if r["recall_at_1"] >= -bar else "**no**"
+        lines.append(f"| {r['corpus']} | {r['measure']} | {r['queries']} | {r['baseline']:.3f} | {r['candidate']:.3f} "
+                     f"| {r['recall_at_1']:+.4f} ({r['ci95_low']:+.3f} to {r['ci95_high']:+.3f}) | {within} |")
+    return "\n".join(lines)
+
+
+def parse_corpus(text: str) -> tuple[str, Path, Path]:
+    name, sep, dirs = text.partition("=")
+    parts = dirs.split(",")
+    if not sep or not name or len(parts) != 2 or not all(parts):
+        raise argparse.ArgumentTypeError(f"expected NAME=BASELINE_DIR,CANDIDATE_DIR, got {text!r}")
+    return name, Path(parts[0]), Path(parts[1])
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("corpora", nargs="+", type=parse_corpus, metavar="NAME=BASELINE_DIR,CANDIDATE_DIR")
+    parser.add_argument("--bar", type=float, default=0.005, help="the largest loss of recall@1 that passes")
+    args = parser.parse_args(argv)
+    try:
+        rows = paired({name: (read_eval(a), read_eval(b)) for name, a, b in args.corpora})
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(table(rows, args.bar))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
