@@ -5,10 +5,8 @@ document: ``retrieval.pooled_margin``), per corpus and pooled over the corpora. 
 ``--bar`` (issue 77: recall@1 within 0.005 of fp32) is read off the point estimate; the interval says how far
 the queries can tell.
 
-The two evals of a pair must have read the same documents, queries and short pairs (their ``*_corpus_sha256``);
-each is given as NAME=BASELINE_DIR,CANDIDATE_DIR (the evals' ``--out`` folders). A NAME given again adds another
-pair of the same corpus at another ``--seed`` (other query draws, another paragraph of each document for the
-short pairs): its queries join the corpus's, a document's queries still resampled together.
+The evals must have read the same documents, queries and short pairs (their ``*_corpus_sha256``); each corpus
+is given as NAME=BASELINE_DIR,CANDIDATE_DIR (the evals' ``--out`` folders):
 
     .venv/bin/python bench/paired_evals.py postgresql=/tmp/pg_fp32,/tmp/pg_int8 seven=/tmp/un_fp32,/tmp/un_int8
 """
@@ -45,33 +43,18 @@ def hits_of(results: dict) -> dict[str, tuple[list[int], int]]:
     return rows
 
 
-def joined(corpus: str, pairs: list[tuple[dict, dict]]) -> dict[str, tuple[list[int], list[int], int]]:
-    """Measure → (baseline hits, candidate hits, documents) of one corpus's eval pairs, the pairs' queries one
-    after another (query j still asks for document j % documents). ValueError where the two evals of a pair read
-    different queries, or pairs of one corpus cover different numbers of documents."""
-    out: dict = {}
-    for base, cand in pairs:
+def paired(corpora: dict[str, tuple[dict, dict]]) -> list[dict]:
+    """A row per (corpus, measure) both evals of a corpus have, then each measure pooled over the corpora that
+    have it: baseline and candidate recall@1, the paired difference and its interval. ValueError where two evals
+    of a corpus read different documents or short pairs."""
+    out, pooled = [], {}
+    for corpus, (base, cand) in corpora.items():
         for key in ("deep_corpus_sha256", "short_corpus_sha256"):
             if base.get(key) != cand.get(key):
                 raise ValueError(f"{corpus}: the two evals read different {key.split('_')[0]} queries ({key} differs)")
         a, b = hits_of(base), hits_of(cand)
         for name in [n for n in a if n in b]:
             (hb, docs), (hc, _) = a[name], b[name]
-            have = out.setdefault(name, ([], [], docs))
-            if have[2] != docs:
-                raise ValueError(f"{corpus}: {name} covers {docs} documents in one eval pair, {have[2]} in another")
-            have[0].extend(hb)
-            have[1].extend(hc)
-    return out
-
-
-def paired(corpora: dict[str, list[tuple[dict, dict]]]) -> list[dict]:
-    """A row per (corpus, measure) both evals of a corpus have (over each of its eval pairs), then each measure
-    pooled over the corpora that have it: baseline and candidate recall@1, the paired difference and its
-    interval. ValueError where two evals of a corpus read different documents or short pairs."""
-    out, pooled = [], {}
-    for corpus, pairs in corpora.items():
-        for name, (hb, hc, docs) in joined(corpus, pairs).items():
             m = pooled_margin([(hc, hb, docs)])
             out.append({"corpus": corpus, "measure": name, "queries": len(hb), "baseline": sum(hb) / len(hb),
                         "candidate": sum(hc) / len(hc), **m})
@@ -111,10 +94,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--bar", type=float, default=0.005, help="the largest loss of recall@1 that passes")
     args = parser.parse_args(argv)
     try:
-        corpora: dict[str, list] = {}
-        for name, a, b in args.corpora:
-            corpora.setdefault(name, []).append((read_eval(a), read_eval(b)))
-        rows = paired(corpora)
+        rows = paired({name: (read_eval(a), read_eval(b)) for name, a, b in args.corpora})
     except ValueError as exc:
         parser.error(str(exc))
     print(table(rows, args.bar))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from yoso_serve.kernels import LayerNormArgs, cpu_flags, cpu_kernels_built, int8_gemm, sum_parts
+from yoso_serve.kernels import LayerNormArgs, cpu_flags, sum_parts
 
 from .dense_int8 import int8_linear, int8_weights, shift_int8, shift_of, smooth_int8
 from .derived import derived
@@ -252,16 +252,6 @@ def packed_side_by_side(linears: list[Linear], x: torch.Tensor) -> list[torch.Te
 
 
 DENSE_DTYPES = ("fp32", "bf16", "int8")
-
-
-def auto_dense_dtype() -> str:
-    """What ``--dense-dtype auto`` runs on this CPU: bf16 where it multiplies bf16 in hardware (:func:`native_bf16`);
-    int8 where the int8 GEMMs take the u8 route (x86 with AVX2, without AVX-512 VNNI: ``kernels.int8_gemm()``) and
-    the C++ passes around them are built, the route whose retrieval was measured within 0.005 of fp32's on the
-    corpora never trained on (docs/benchmarks.md, "int8 on AVX2 CPUs"); else fp32."""
-    if native_bf16():
-        return "bf16"
-    return "int8" if int8_gemm() == "u8s8" and cpu_kernels_built() else "fp32"
 
 
 def set_dense_dtype(module: nn.Module, dtype: str) -> None:

@@ -95,11 +95,10 @@ class ServeSettings(BaseSettings):
         "kernels and the residual stream stay fp32). bf16 = bf16 inputs and weights, fp32 sums: about 1.5x the "
         "speed of a forward where the CPU has bf16 instructions (AVX512-BF16 or AMX), embeddings within about "
         "1e-3 of fp32 and retrieval unchanged (docs/benchmarks.md, \"Dense layers\"). int8 = per-channel int8 "
-        "weights, activations quantized per row (LayerNorm-fed layers smoothed), int32 sums: 1.29-1.51x bf16's "
-        "forward with AVX-512 VNNI, 1.43-1.75x fp32's on AVX2 CPUs (weights to +-63 there but FFN out's +-127), "
-        "0.998-0.999 cosine to fp32 at hashes=auto; on AVX2 CPUs without VNNI recall@1 within 0.005 of fp32's on two "
-        "unseen corpora, paired (docs/benchmarks.md, \"int8 GEMMs\"). auto = bf16 where the CPU multiplies bf16, int8 "
-        "on AVX2 CPUs without AVX-512 VNNI, else fp32.")
+        "weights, activations quantized per row (LayerNorm-fed layers smoothed), int32 sums; opt-in: 1.29-1.51x "
+        "bf16's forward with AVX-512 VNNI (1.43-1.75x fp32's on AVX2 CPUs, weights to +-63 there but FFN out's +-127), "
+        "0.998-0.999 cosine to fp32 at hashes=auto, short-text recall@1 -0.012 and +0.003 of fp32's on two unseen "
+        "corpora (-0.008 on AVX2) (docs/benchmarks.md, \"int8 GEMMs\"). auto = bf16 on such a CPU, else fp32.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weights and activations of the torch runtime on CUDA. auto = float16 on CUDA (what "
         "text-embeddings-inference serves there), float32 on CPU, where --dense-dtype picks the precision of the "
@@ -193,15 +192,12 @@ class ServeSettings(BaseSettings):
         return "op" if self.exact_kernel == "auto" else self.exact_kernel
 
     def resolved_dense_dtype(self) -> str:
-        """``dense_dtype`` made concrete: ``auto`` is bf16 where the CPU multiplies bf16 in hardware, int8 where the
-        int8 GEMMs take the u8 route (``model.linear.auto_dense_dtype``; never on CUDA, which ignores it), else fp32."""
+        """``dense_dtype`` made concrete: ``auto`` is bf16 where the CPU multiplies bf16 in hardware."""
         if self.dense_dtype != "auto":
             return self.dense_dtype
-        from yoso_serve.model.linear import auto_dense_dtype, native_bf16
+        from yoso_serve.model.linear import native_bf16
 
-        if self.resolved_device() == "cuda":
-            return "bf16" if native_bf16() else "fp32"
-        return auto_dense_dtype()
+        return "bf16" if native_bf16() else "fp32"
 
     def padding_limit(self, device: str) -> int:
         """``max_padding_tokens`` made concrete for ``device``. On 2 CPU cores a forward's fixed cost

@@ -105,20 +105,11 @@ def test_fp32_server_says_so(tiny_dir, serve):
     np.testing.assert_allclose(r.json()[0], direct(tiny_dir, SHORT, "fp32"), rtol=0, atol=1e-6)
 
 
-def test_auto_is_bf16_where_the_cpu_multiplies_bf16_and_int8_on_the_u8_route(monkeypatch):
-    # (bf16 in hardware, the int8 GEMMs' route, the C++ passes built) -> auto
-    cases = (((True, "u8s8", True), "bf16"), ((True, "int_mm", True), "bf16"), ((False, "u8s8", True), "int8"),
-             ((False, "u8s8", False), "fp32"), ((False, "int_mm", True), "fp32"))
-    for (native, route, built), expected in cases:
+def test_auto_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch):
+    for native, expected in ((True, "bf16"), (False, "fp32")):
         monkeypatch.setattr(linear, "native_bf16", lambda native=native: native)
-        monkeypatch.setattr(linear, "int8_gemm", lambda route=route: route)
-        monkeypatch.setattr(linear, "cpu_kernels_built", lambda built=built: built)
-        assert linear.auto_dense_dtype() == expected
         assert load_settings([]).resolved_dense_dtype() == expected
         assert load_settings(["--dense-dtype", "fp32"]).resolved_dense_dtype() == "fp32"
-        # on CUDA (which ignores it) never int8: what the CPU multiplies in hardware, else fp32
-        assert ServeSettings.model_construct(dense_dtype="auto", device="cuda").resolved_dense_dtype() == \
-            ("bf16" if native else "fp32")
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     assert load_settings(["--dense-dtype", "bf16"]).resolved_dense_dtype() == "bf16"  # asked for: whatever auto says
 
