@@ -43,6 +43,15 @@ def hits_of(results: dict) -> dict[str, tuple[list[int], int]]:
     return rows
 
 
+def _row(corpus: str, measure: str, parts: list[tuple]) -> dict:
+    """One table row over ``parts`` ((candidate hits, baseline hits, documents) of one corpus or several):
+    baseline and candidate recall@1 over all their queries, the paired difference and its interval."""
+    base = [h for _, hb, _ in parts for h in hb]
+    cand = [h for hc, _, _ in parts for h in hc]
+    return {"corpus": corpus, "measure": measure, "queries": len(base), "baseline": sum(base) / len(base),
+            "candidate": sum(cand) / len(cand), **pooled_margin(parts)}
+
+
 def paired(corpora: dict[str, tuple[dict, dict]]) -> list[dict]:
     """A row per (corpus, measure) both evals of a corpus have, then each measure pooled over the corpora that
     have it: baseline and candidate recall@1, the paired difference and its interval. ValueError where two evals
@@ -55,18 +64,10 @@ def paired(corpora: dict[str, tuple[dict, dict]]) -> list[dict]:
         a, b = hits_of(base), hits_of(cand)
         for name in [n for n in a if n in b]:
             (hb, docs), (hc, _) = a[name], b[name]
-            m = pooled_margin([(hc, hb, docs)])
-            out.append({"corpus": corpus, "measure": name, "queries": len(hb), "baseline": sum(hb) / len(hb),
-                        "candidate": sum(hc) / len(hc), **m})
+            out.append(_row(corpus, name, [(hc, hb, docs)]))
             pooled.setdefault(name, []).append((hc, hb, docs))
     if len(corpora) > 1:
-        for name, parts in pooled.items():
-            if len(parts) == len(corpora):
-                base_hits = [h for _, hb, _ in parts for h in hb]
-                cand_hits = [h for hc, _, _ in parts for h in hc]
-                out.append({"corpus": "pooled", "measure": name, "queries": len(base_hits),
-                            "baseline": sum(base_hits) / len(base_hits), "candidate": sum(cand_hits) / len(cand_hits),
-                            **pooled_margin(parts)})
+        out += [_row("pooled", name, parts) for name, parts in pooled.items() if len(parts) == len(corpora)]
     return out
 
 
@@ -93,6 +94,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("corpora", nargs="+", type=parse_corpus, metavar="NAME=BASELINE_DIR,CANDIDATE_DIR")
     parser.add_argument("--bar", type=float, default=0.005, help="the largest loss of recall@1 that passes")
     args = parser.parse_args(argv)
+    names = [name for name, _, _ in args.corpora]
+    if len(set(names)) < len(names):
+        parser.error(f"each corpus NAME once, got {names}")
     try:
         rows = paired({name: (read_eval(a), read_eval(b)) for name, a, b in args.corpora})
     except ValueError as exc:

@@ -277,6 +277,9 @@ def test_paired_evals_pair_each_query_of_two_evals_per_corpus_and_pooled(tmp_pat
     with pytest.raises(SystemExit):  # the two evals of a corpus read other short pairs: refused, not paired
         paired_evals.main([f"one={a},{write('e', [1, 1, 0, 0], [1, 1, 1, 1], sha='other')}"])
     assert "different short queries" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a corpus named twice: refused, not one of its pairs dropped
+        paired_evals.main([f"one={a},{b}", f"one={c},{d}"])
+    assert "each corpus NAME once, got ['one', 'one']" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         paired_evals.main([f"one={a}"])
     assert "expected NAME=BASELINE_DIR,CANDIDATE_DIR" in capsys.readouterr().err

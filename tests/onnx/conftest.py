@@ -98,7 +98,7 @@ async def _serving(model_dir: Path, **overrides):
     """The app on ``model_dir`` with its lifespan running and ready, and an in-process httpx client
     (httpx.ASGITransport does not run the lifespan; tests/service/conftest.py does the same). auto's
     exact switch is off and the dense layers fp32 unless asked for: the torch side is the LSH oracle of the ONNX
-    graph, which runs fp32 (auto's bf16 or int8 are asked for where a test compares them)."""
+    graph, which runs fp32 (auto, bf16 where the CPU has it, is asked for where a test compares it)."""
     from yoso_serve.service import ServeSettings, create_app
 
     app = create_app(ServeSettings(model=model_dir, **{"auto_exact_below": 0, "dense_dtype": "fp32", **overrides}))
