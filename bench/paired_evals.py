@@ -5,6 +5,11 @@ document: ``retrieval.pooled_margin``), per corpus and pooled over the corpora. 
 ``--bar`` (issue 77: recall@1 within 0.005 of fp32) is read off the point estimate; the interval says how far
 the queries can tell.
 
+Then what the candidate does to zero-shot scores (``/rerank``, ``/classify`` with labels: sigmoid(20 (cos −
+centre)), each eval at its own model's centre), where both evals wrote the short pairs' cosines: for the related
+pairs (a first sentence and its own rest) and the unrelated ones (the next pair's rest), the mean, 95th percentile
+and largest change of a pair's score, and the share of pairs whose score crossed 0.5.
+
 The evals must have read the same documents, queries and short pairs (their ``*_corpus_sha256``); each corpus
 is given as NAME=BASELINE_DIR,CANDIDATE_DIR (the evals' ``--out`` folders):
 
@@ -17,7 +22,10 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
+
 from yoso_serve.model.train.retrieval import pooled_margin
+from yoso_serve.service.zero_shot import DEFAULT_SCORE_CENTER, calibrated
 
 SHORT = "short texts, student"
 
@@ -81,6 +89,49 @@ def table(rows: list[dict], bar: float) -> str:
     return "\n".join(lines)
 
 
+def served_scores(results: dict) -> dict[str, np.ndarray] | None:
+    """The student's short pairs as zero-shot scores at its model's centre (the service's default where the model
+    has none): {"related": ..., "unrelated": ...}, or None for an eval from before the cosines were written."""
+    cos = (results.get("short_hits") or {}).get("student_cosines")
+    if cos is None:
+        return None
+    center = DEFAULT_SCORE_CENTER if cos["score_center"] is None else cos["score_center"]
+    return {kind: calibrated(np.asarray(cos[kind], dtype=np.float64), center) for kind in ("related", "unrelated")}
+
+
+def score_rows(corpora: dict[str, tuple[dict, dict]]) -> list[dict]:
+    """A row per (corpus, related or unrelated) and pooled over the corpora: how far the candidate moved each
+    pair's zero-shot score from the baseline's (mean, 95th percentile, largest |change|, mean change) and the
+    share of pairs on the other side of 0.5. Corpora whose evals lack the cosines are left out."""
+    out, pooled = [], {}
+    for corpus, (base, cand) in corpora.items():
+        a, b = served_scores(base), served_scores(cand)
+        if a is None or b is None:
+            continue
+        for kind in a:
+            pooled.setdefault(kind, []).append((a[kind], b[kind]))
+            out.append(_score_row(corpus, kind, [(a[kind], b[kind])]))
+    if len(corpora) > 1:
+        out += [_score_row("pooled", kind, parts) for kind, parts in pooled.items() if len(parts) == len(corpora)]
+    return out
+
+
+def _score_row(corpus: str, kind: str, parts: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+    base, cand = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    change = cand - base
+    return {"corpus": corpus, "pairs": kind, "n": len(base), "mean_abs": float(np.abs(change).mean()),
+            "p95_abs": float(np.quantile(np.abs(change), 0.95)), "max_abs": float(np.abs(change).max()),
+            "mean": float(change.mean()), "crossed": float(((base >= 0.5) != (cand >= 0.5)).mean())}
+
+
+def score_table(rows: list[dict]) -> str:
+    lines = ["| corpus | pairs | n | mean \\|change\\| | 95th pct | largest | mean change | crossed 0.5 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['corpus']} | {r['pairs']} | {r['n']} | {r['mean_abs']:.4f} | {r['p95_abs']:.4f} | "
+              f"{r['max_abs']:.4f} | {r['mean']:+.4f} | {100 * r['crossed']:.1f} % |" for r in rows]
+    return "\n".join(lines)
+
+
 def parse_corpus(text: str) -> tuple[str, Path, Path]:
     name, sep, dirs = text.partition("=")
     parts = dirs.split(",")
@@ -89,7 +140,7 @@ def parse_corpus(text: str) -> tuple[str, Path, Path]:
     return name, Path(parts[0]), Path(parts[1])
 
 
-def main(argv=None) -> list[dict]:
+def main(argv=None) -> tuple[list[dict], list[dict]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("corpora", nargs="+", type=parse_corpus, metavar="NAME=BASELINE_DIR,CANDIDATE_DIR")
     parser.add_argument("--bar", type=float, default=0.005, help="the largest loss of recall@1 that passes")
@@ -98,11 +149,16 @@ def main(argv=None) -> list[dict]:
     if len(set(names)) < len(names):
         parser.error(f"each corpus NAME once, got {names}")
     try:
-        rows = paired({name: (read_eval(a), read_eval(b)) for name, a, b in args.corpora})
+        evals = {name: (read_eval(a), read_eval(b)) for name, a, b in args.corpora}
+        rows = paired(evals)
     except ValueError as exc:
         parser.error(str(exc))
     print(table(rows, args.bar))
-    return rows
+    scores = score_rows(evals)
+    if scores:
+        print("\nZero-shot scores, candidate against baseline (sigmoid(20 (cos - centre)) of each short pair):\n")
+        print(score_table(scores))
+    return rows, scores
 
 
 if __name__ == "__main__":

@@ -252,18 +252,21 @@ def test_paired_evals_pair_each_query_of_two_evals_per_corpus_and_pooled(tmp_pat
     import paired_evals
     import pytest
 
-    def write(name, deep, short, sha="s"):
+    def write(name, deep, short, sha="s", cosines=None):
         folder = tmp_path / name
         folder.mkdir()
         results = {"deep_hits": {"docs": 2, "student, one pass": deep}, "deep_corpus_sha256": "d",
                    "short_hits": {"pairs": len(short), "student": short, "teacher": [1] * len(short)},
                    "short_corpus_sha256": sha}
+        if cosines is not None:
+            results["short_hits"]["student_cosines"] = cosines
         (folder / "results.json").write_text(json.dumps(results))
         return folder
 
     a, b = write("a", [1, 1, 0, 0], [1, 1, 1, 1]), write("b", [1, 1, 1, 0], [1, 1, 1, 0])
     c, d = write("c", [0, 0, 0, 0], [1, 0]), write("d", [0, 0, 0, 0], [1, 0])
-    rows = paired_evals.main([f"one={a},{b}", f"two={c},{d}"])
+    rows, scores = paired_evals.main([f"one={a},{b}", f"two={c},{d}"])
+    assert scores == []  # evals without the short pairs' cosines: no score table
     got = {(r["corpus"], r["measure"]): r for r in rows}
     assert got["one", "student, one pass"]["recall_at_1"] == pytest.approx(0.25)  # candidate − baseline
     assert got["one", paired_evals.SHORT]["recall_at_1"] == pytest.approx(-0.25)
@@ -283,3 +286,38 @@ def test_paired_evals_pair_each_query_of_two_evals_per_corpus_and_pooled(tmp_pat
     with pytest.raises(SystemExit):
         paired_evals.main([f"one={a}"])
     assert "expected NAME=BASELINE_DIR,CANDIDATE_DIR" in capsys.readouterr().err
+
+
+def test_paired_evals_report_how_far_zero_shot_scores_move(tmp_path, capsys):
+    import json
+    import math
+
+    import paired_evals
+    import pytest
+
+    def write(name, related, unrelated, center):
+        folder = tmp_path / name
+        folder.mkdir()
+        short = {"pairs": 2, "student": [1, 1], "teacher": [1, 1],
+                 "student_cosines": {"related": related, "unrelated": unrelated, "score_center": center}}
+        (folder / "results.json").write_text(json.dumps({"short_hits": short, "short_corpus_sha256": "s"}))
+        return folder
+
+    def score(cos, center):  # the service's zero-shot score
+        return 1 / (1 + math.exp(-20 * (cos - center)))
+
+    base, cand = write("fp32", [0.50, 0.60], [0.20, 0.40], 0.43), write("int8", [0.50, 0.61], [0.20, 0.44], 0.43)
+    other = write("plain", [0.50, 0.60], [0.20, 0.40], None)  # a model without a centre: the service's 0.3
+    _, scores = paired_evals.main([f"pg={base},{cand}", f"seven={other},{other}"])
+    got = {(r["corpus"], r["pairs"]): r for r in scores}
+    unrelated = got["pg", "unrelated"]  # 0.40 → 0.44 crosses the centre 0.43: score below 0.5, then above
+    moved = score(0.44, 0.43) - score(0.40, 0.43)
+    assert unrelated["max_abs"] == pytest.approx(moved) and unrelated["crossed"] == 0.5
+    assert unrelated["mean_abs"] == pytest.approx(moved / 2) == pytest.approx(unrelated["mean"])
+    related = got["pg", "related"]
+    assert related["max_abs"] == pytest.approx(score(0.61, 0.43) - score(0.60, 0.43)) and related["crossed"] == 0
+    assert got["seven", "related"]["max_abs"] == 0 and got["seven", "related"]["n"] == 2
+    pooled = got["pooled", "unrelated"]  # both corpora's pairs
+    assert pooled["n"] == 4 and pooled["crossed"] == 0.25 and pooled["mean_abs"] == pytest.approx(moved / 4)
+    printed = capsys.readouterr().out
+    assert "Zero-shot scores" in printed and "| pg | unrelated | 2 |" in printed and "| 50.0 % |" in printed

@@ -343,12 +343,20 @@ def deep_retrieval(emb: Embedders, docs: list[str], queries: list[str], *,
 
 def short_retrieval(emb: Embedders, firsts: list[str], rests: list[str]) -> tuple[list[dict], dict]:
     """Each paragraph's first sentence asks for the rest of it among all the rests, student and teacher: (a row of
-    recall@1 and MRR@10 each, {"pairs": n, "student": hits, "teacher": hits}, a pair's hit 1 where its rest ranked
-    first), the hits for pairing two evals of the same pairs (:func:`pooled_margin`, one pair a document)."""
-    ranks = {"student": score_ranks(emb.student_one_pass(firsts), emb.student_one_pass(rests)),
+    recall@1 and MRR@10 each, {"pairs": n, "student": hits, "teacher": hits, "student_cosines": ...}, a pair's hit
+    1 where its rest ranked first), the hits for pairing two evals of the same pairs (:func:`pooled_margin`, one
+    pair a document); ``student_cosines`` the student's related (its own rest) and unrelated (the next pair's rest,
+    as :func:`calibrate_center` pairs them) cosines, 6 decimals, and its score centre: how far zero-shot scores
+    move between two evals (bench/paired_evals.py)."""
+    a, b = F.normalize(emb.student_one_pass(firsts), dim=-1), F.normalize(emb.student_one_pass(rests), dim=-1)
+    ranks = {"student": score_ranks(a, b),
              "teacher": score_ranks(emb.teacher_truncated(firsts), emb.teacher_truncated(rests))}
     rows = [{"method": who, "pairs": len(firsts), **_metrics(r)} for who, r in ranks.items()]
-    return rows, {"pairs": len(firsts), **{who: (r == 0).int().tolist() for who, r in ranks.items()}}
+    cos = {name: [round(float(c), 6) for c in (a * other).sum(-1)] for name, other in (("related", b),
+                                                                                         ("unrelated", b.roll(1, 0)))}
+    center = getattr(emb.student.config, "score_center", None)
+    return rows, {"pairs": len(firsts), **{who: (r == 0).int().tolist() for who, r in ranks.items()},
+                  "student_cosines": {**cos, "score_center": center}}
 
 
 def score_center(related: torch.Tensor, unrelated: torch.Tensor) -> float:

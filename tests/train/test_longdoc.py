@@ -448,6 +448,11 @@ def test_eval_reports_deep_and_short_retrieval(tiny_bert, tiny_yoso, tmp_path, w
         hits = short[row["method"]]
         assert short["pairs"] == row["pairs"] == len(hits) and set(hits) <= {0, 1}
         assert sum(hits) / len(hits) == pytest.approx(row["recall_at_1"])
+    cos = short["student_cosines"]  # for how far zero-shot scores move between two evals
+    assert len(cos["related"]) == len(cos["unrelated"]) == short["pairs"] and cos["score_center"] is None
+    assert all(-1 <= c <= 1 for c in cos["related"] + cos["unrelated"])
+    for hit, rel, unrel in zip(short["student"], cos["related"], cos["unrelated"]):
+        assert not hit or rel >= unrel - 1e-6  # a hit ranked its own rest first, the next pair's rest among others
     margins = results["deep_margin"]
     assert [(m["student"], m["teacher"]) for m in margins] == [(list(deep)[0], list(deep)[1]),
                                                                 (list(deep)[4], list(deep)[3])]
