@@ -60,11 +60,23 @@ def _row(corpus: str, measure: str, parts: list[tuple]) -> dict:
             "candidate": sum(cand) / len(cand), **pooled_margin(parts)}
 
 
+def per_corpus_and_pooled(parts: list[tuple[str, str, tuple]], corpora: int, row) -> list[dict]:
+    """``row(corpus, measure, [part, ...])`` for each (corpus, measure, part) of ``parts``, then for each measure
+    over its parts of every corpus ("pooled"), where there are several corpora and each has that measure."""
+    out, pooled = [], {}
+    for corpus, measure, part in parts:
+        out.append(row(corpus, measure, [part]))
+        pooled.setdefault(measure, []).append(part)
+    if corpora > 1:
+        out += [row("pooled", measure, ps) for measure, ps in pooled.items() if len(ps) == corpora]
+    return out
+
+
 def paired(corpora: dict[str, tuple[dict, dict]]) -> list[dict]:
     """A row per (corpus, measure) both evals of a corpus have, then each measure pooled over the corpora that
     have it: baseline and candidate recall@1, the paired difference and its interval. ValueError where two evals
     of a corpus read different documents or short pairs."""
-    out, pooled = [], {}
+    parts = []
     for corpus, (base, cand) in corpora.items():
         for key in ("deep_corpus_sha256", "short_corpus_sha256"):
             if base.get(key) != cand.get(key):
@@ -72,11 +84,8 @@ def paired(corpora: dict[str, tuple[dict, dict]]) -> list[dict]:
         a, b = hits_of(base), hits_of(cand)
         for name in [n for n in a if n in b]:
             (hb, docs), (hc, _) = a[name], b[name]
-            out.append(_row(corpus, name, [(hc, hb, docs)]))
-            pooled.setdefault(name, []).append((hc, hb, docs))
-    if len(corpora) > 1:
-        out += [_row("pooled", name, parts) for name, parts in pooled.items() if len(parts) == len(corpora)]
-    return out
+            parts.append((corpus, name, (hc, hb, docs)))
+    return per_corpus_and_pooled(parts, len(corpora), _row)
 
 
 def table(rows: list[dict], bar: float) -> str:
@@ -103,17 +112,12 @@ def score_rows(corpora: dict[str, tuple[dict, dict]]) -> list[dict]:
     """A row per (corpus, related or unrelated) and pooled over the corpora: how far the candidate moved each
     pair's zero-shot score from the baseline's (mean, 95th percentile, largest |change|, mean change) and the
     share of pairs on the other side of 0.5. Corpora whose evals lack the cosines are left out."""
-    out, pooled = [], {}
+    parts = []
     for corpus, (base, cand) in corpora.items():
         a, b = served_scores(base), served_scores(cand)
-        if a is None or b is None:
-            continue
-        for kind in a:
-            pooled.setdefault(kind, []).append((a[kind], b[kind]))
-            out.append(_score_row(corpus, kind, [(a[kind], b[kind])]))
-    if len(corpora) > 1:
-        out += [_score_row("pooled", kind, parts) for kind, parts in pooled.items() if len(parts) == len(corpora)]
-    return out
+        if a is not None and b is not None:
+            parts += [(corpus, kind, (a[kind], b[kind])) for kind in a]
+    return per_corpus_and_pooled(parts, len(corpora), _score_row)
 
 
 def _score_row(corpus: str, kind: str, parts: list[tuple[np.ndarray, np.ndarray]]) -> dict:

@@ -345,18 +345,22 @@ def short_retrieval(emb: Embedders, firsts: list[str], rests: list[str]) -> tupl
     """Each paragraph's first sentence asks for the rest of it among all the rests, student and teacher: (a row of
     recall@1 and MRR@10 each, {"pairs": n, "student": hits, "teacher": hits, "student_cosines": ...}, a pair's hit
     1 where its rest ranked first), the hits for pairing two evals of the same pairs (:func:`pooled_margin`, one
-    pair a document); ``student_cosines`` the student's related (its own rest) and unrelated (the next pair's rest,
-    as :func:`calibrate_center` pairs them) cosines, 6 decimals, and its score centre: how far zero-shot scores
-    move between two evals (bench/paired_evals.py)."""
+    pair a document); ``student_cosines`` the student's related and unrelated cosines (:func:`pair_cosines`, 6
+    decimals) and its score centre: how far zero-shot scores move between two evals (bench/paired_evals.py)."""
     a, b = F.normalize(emb.student_one_pass(firsts), dim=-1), F.normalize(emb.student_one_pass(rests), dim=-1)
     ranks = {"student": score_ranks(a, b),
              "teacher": score_ranks(emb.teacher_truncated(firsts), emb.teacher_truncated(rests))}
     rows = [{"method": who, "pairs": len(firsts), **_metrics(r)} for who, r in ranks.items()]
-    cos = {name: [round(float(c), 6) for c in (a * other).sum(-1)] for name, other in (("related", b),
-                                                                                         ("unrelated", b.roll(1, 0)))}
+    cos = {name: [round(float(c), 6) for c in pair] for name, pair in zip(("related", "unrelated"), pair_cosines(a, b))}
     center = getattr(emb.student.config, "score_center", None)
     return rows, {"pairs": len(firsts), **{who: (r == 0).int().tolist() for who, r in ranks.items()},
                   "student_cosines": {**cos, "score_center": center}}
+
+
+def pair_cosines(firsts: torch.Tensor, rests: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unit rows of first sentences and of their rests (n, D) → (related, unrelated) cosines (n,): each first with
+    its own rest, and with the next pair's rest (another document's, one pair a document)."""
+    return (firsts * rests).sum(-1), (firsts * rests.roll(1, 0)).sum(-1)
 
 
 def score_center(related: torch.Tensor, unrelated: torch.Tensor) -> float:
@@ -383,7 +387,7 @@ def calibrate_center(model: EncoderModel, rows: list[dict], *, pairs: int = 300,
     emb = Embedders(model, None, hashes="auto", window=model.config.max_length, device=device)
     a = F.normalize(emb.student_one_pass(firsts), dim=-1)
     b = F.normalize(emb.student_one_pass(rests), dim=-1)
-    related, unrelated = (a * b).sum(-1), (a * b.roll(1, 0)).sum(-1)
+    related, unrelated = pair_cosines(a, b)
     center = score_center(related, unrelated)
     return {"score_center": center, "pairs": len(firsts),
             "related_median": round(float(related.median()), 3), "unrelated_median": round(float(unrelated.median()), 3),
