@@ -106,6 +106,12 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def bf16_gemms() -> bool:
+    """Whether oneDNN multiplies bf16 on this CPU, natively or not (it needs AVX-512; on AVX2 alone it refuses the
+    GEMM): what ``--dense-dtype bf16`` needs. bench/bf16_emulated.py emulates the GEMMs where it does not."""
+    return ONEDNN_LINEAR is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state-dict keys) whose inference forward on CPU in fp32
     runs oneDNN's GEMM instead of aten's BLAS call, optionally with the activation or the residual

@@ -161,9 +161,9 @@ class ServeSettings(BaseSettings):
             raise ValueError(f"--max-input-length {self.max_input_length} is above "
                              f"--max-batch-tokens {self.max_batch_tokens}: one input must fit in a batch")
         if self.dense_dtype == "bf16":
-            import torch
+            from yoso_serve.model.linear import bf16_gemms
 
-            if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            if not bf16_gemms():
                 raise ValueError("--dense-dtype bf16 but this CPU has no bf16 GEMM in oneDNN (it needs AVX-512); "
                                  "use --dense-dtype fp32 or auto")
         if self.device == "cuda":

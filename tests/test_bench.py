@@ -179,6 +179,46 @@ def test_int8_layers_captures_every_linears_input_and_puts_the_model_back():
     assert (encoder.project, encoder.int8_feed_forward) == patched and not any(m.int8 or "_int8" in vars(m) for m in linears)
 
 
+def test_bf16_emulated_rounds_as_bf16_gemms_do_and_puts_the_switches_back(monkeypatch):
+    """bench/bf16_emulated.py: a Linear in bf16 mode gives the fp32 product of its bf16 operands rounded to bf16 (GELU
+    before the rounding); with K-blocks of 384 a 1536-input layer sums its blocks' bf16 outputs in fp32, bias in the
+    first; where this CPU has bf16 GEMMs, within two bf16 roundings of oneDNN's; main hands the rest of its arguments
+    to yoso-train inside the emulation (bf16 GEMMs said to be there); the switches are put back."""
+    import torch
+    import torch.nn.functional as F
+
+    import bf16_emulated
+    from yoso_serve.model import linear
+    from yoso_serve.model.train import cli
+
+    switches = lambda: (linear.ONEDNN_LINEAR, linear.BF16_K_BLOCK, linear.bf16_gemms)  # noqa: E731
+    saved = switches()
+    torch.manual_seed(0)
+    lin = linear.Linear(1536, 24).eval()
+    linear.set_dense_dtype(lin, "bf16")
+    x = torch.randn(5, 1536)
+    w, b = (t.detach().bfloat16().float() for t in (lin.weight, lin.bias))
+    with torch.inference_mode():
+        with bf16_emulated.emulate_bf16(None):
+            one, gelu = lin(x), lin.activated(x, "gelu", F.gelu)
+        with bf16_emulated.emulate_bf16(384):
+            blocked = lin(x)
+        product = F.linear(x.bfloat16().float(), w, b)
+        assert torch.equal(one, product.bfloat16().float()) and torch.equal(gelu, F.gelu(product).bfloat16())
+        parts = [F.linear(xj.bfloat16().float(), wj, b if j == 0 else None).bfloat16().float()
+                 for j, (xj, wj) in enumerate(zip(x.split(384, dim=1), w.split(384, dim=1)))]
+        assert torch.equal(blocked, ((parts[0] + parts[1]) + parts[2]) + parts[3])
+        assert switches() == saved
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # the real bf16 GEMM on this CPU
+            with bf16_emulated.emulate_bf16(linear.BF16_K_BLOCK):
+                emulated = lin(x)
+            assert ((lin(x) - emulated).abs() <= 2 ** -7 * emulated.abs() + 1e-2).all()
+    seen = []
+    monkeypatch.setattr(cli, "main", lambda argv: seen.append((argv, linear.BF16_K_BLOCK, linear.bf16_gemms())) or 0)
+    assert bf16_emulated.main(["--k-block", "none", "eval", "--dense-dtype", "bf16"]) == 0
+    assert seen == [(["eval", "--dense-dtype", "bf16"], None, True)] and switches() == saved
+
+
 def test_forward_parts_times_each_part_inside_the_forward_and_puts_everything_back():
     """bench/forward_parts.py: in int8 the GEMMs, the attention, the C++ passes and LayerNorm are each timed (the
     call counts of the bundled model's six blocks), their sum stays inside the forward, and every patched function

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from yoso_serve.model import EncoderModel, load_pretrained
+from yoso_serve.model import linear
 from yoso_serve.model.linear import DENSE_DTYPES, set_dense_dtype
 from yoso_serve.model.argtypes import bounded
 
@@ -194,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
     session = start(args, "eval")
     if not session.dist.is_main:
         return 0
+    if args.dense_dtype == "bf16" and session.device.type == "cpu" and not linear.bf16_gemms():
+        raise ValueError("--dense-dtype bf16 but this CPU has no bf16 GEMM in oneDNN (it needs AVX-512); use fp32 or "
+                         "int8, or bench/bf16_emulated.py for bf16's error")
     model = load_pretrained(args.model, device=session.device)
     set_dense_dtype(model, args.dense_dtype)
     if model.tokenizer is None:

@@ -244,3 +244,14 @@ def test_resume_from_a_corrupt_or_foreign_checkpoint_is_one_line(tiny_yoso, topi
     assert main(["finetune", "--model", str(tiny_yoso), "--data", str(topic_data), "--out", str(out), "--resume",
                  *C]) == 2
     one_line(capsys.readouterr().err, "--resume", "cannot be loaded")
+
+
+def test_eval_in_bf16_without_a_bf16_gemm_says_so_before_loading(tiny_yoso, tmp_path, capsys, monkeypatch):
+    """On a CPU where oneDNN has no bf16 GEMM (AVX2 alone) ``eval --dense-dtype bf16`` is one line naming what is
+    missing and the ways on, not oneDNN's error from inside the first forward."""
+    from yoso_serve.model import linear
+
+    monkeypatch.setattr(linear, "bf16_gemms", lambda: False)
+    assert main(["eval", "--model", str(tiny_yoso), "--device", "cpu", "--dense-dtype", "bf16",
+                 "--out", str(tmp_path / "e")]) == 2
+    one_line(capsys.readouterr().err, "--dense-dtype bf16", "no bf16 GEMM", "bench/bf16_emulated.py")
