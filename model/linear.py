@@ -108,7 +108,7 @@ def native_bf16() -> bool:
 
 def bf16_gemms() -> bool:
     """Whether oneDNN multiplies bf16 on this CPU, natively or not (it needs AVX-512; on AVX2 alone it refuses the
-    GEMM): what ``--dense-dtype bf16`` needs. bench/bf16_emulated.py emulates the GEMMs where it does not."""
+    GEMM): what ``--dense-dtype bf16`` needs. bench/emulated.py emulates the GEMMs where it does not."""
     return ONEDNN_LINEAR is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 

@@ -179,15 +179,15 @@ def test_int8_layers_captures_every_linears_input_and_puts_the_model_back():
     assert (encoder.project, encoder.int8_feed_forward) == patched and not any(m.int8 or "_int8" in vars(m) for m in linears)
 
 
-def test_bf16_emulated_rounds_as_bf16_gemms_do_and_puts_the_switches_back(monkeypatch):
-    """bench/bf16_emulated.py: a Linear in bf16 mode gives the fp32 product of its bf16 operands rounded to bf16 (GELU
+def test_emulated_bf16_rounds_as_bf16_gemms_do_and_puts_the_switches_back(monkeypatch):
+    """bench/emulated.py: a Linear in bf16 mode gives the fp32 product of its bf16 operands rounded to bf16 (GELU
     before the rounding); with K-blocks of 384 a 1536-input layer sums its blocks' bf16 outputs in fp32, bias in the
     first; where this CPU has bf16 GEMMs, within two bf16 roundings of oneDNN's; main hands the rest of its arguments
     to yoso-train inside the emulation (bf16 GEMMs said to be there); the switches are put back."""
     import torch
     import torch.nn.functional as F
 
-    import bf16_emulated
+    import emulated
     from yoso_serve.model import linear
     from yoso_serve.model.train import cli
 
@@ -199,9 +199,9 @@ def test_bf16_emulated_rounds_as_bf16_gemms_do_and_puts_the_switches_back(monkey
     x = torch.randn(5, 1536)
     w, b = (t.detach().bfloat16().float() for t in (lin.weight, lin.bias))
     with torch.inference_mode():
-        with bf16_emulated.emulate_bf16(None):
+        with emulated.emulate_bf16(None):
             one, gelu = lin(x), lin.activated(x, "gelu", F.gelu)
-        with bf16_emulated.emulate_bf16(384):
+        with emulated.emulate_bf16(384):
             blocked = lin(x)
         product = F.linear(x.bfloat16().float(), w, b)
         assert torch.equal(one, product.bfloat16().float()) and torch.equal(gelu, F.gelu(product).bfloat16())
@@ -210,13 +210,37 @@ def test_bf16_emulated_rounds_as_bf16_gemms_do_and_puts_the_switches_back(monkey
         assert torch.equal(blocked, ((parts[0] + parts[1]) + parts[2]) + parts[3])
         assert switches() == saved
         if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # the real bf16 GEMM on this CPU
-            with bf16_emulated.emulate_bf16(linear.BF16_K_BLOCK):
+            with emulated.emulate_bf16(linear.BF16_K_BLOCK):
                 emulated = lin(x)
             assert ((lin(x) - emulated).abs() <= 2 ** -7 * emulated.abs() + 1e-2).all()
     seen = []
     monkeypatch.setattr(cli, "main", lambda argv: seen.append((argv, linear.BF16_K_BLOCK, linear.bf16_gemms())) or 0)
-    assert bf16_emulated.main(["--k-block", "none", "eval", "--dense-dtype", "bf16"]) == 0
+    assert emulated.main(["--as", "zen4-bf16", "eval", "--dense-dtype", "bf16"]) == 0
     assert seen == [(["eval", "--dense-dtype", "bf16"], None, True)] and switches() == saved
+
+
+def test_emulated_vnni_int8_gives_the_int_mm_routes_bits_and_puts_the_route_back(monkeypatch):
+    """bench/emulated.py --as vnni-int8: an int8 Linear (weights at ±127, rows not shifted) gives the bits the real
+    ``_int_mm`` route gives, its sums through a float64 GEMM; the route and ``torch._int_mm`` are put back."""
+    import torch
+
+    import emulated
+    from yoso_serve.kernels import dense_int8
+    from yoso_serve.model import linear
+    from yoso_serve.model.dense_int8 import int8_weights
+
+    saved = dense_int8.INT8_GEMM, torch._int_mm
+    torch.manual_seed(0)
+    x = torch.randn(7, 1536)
+    with torch.inference_mode():
+        with emulated.emulate_vnni_int8():
+            lin = linear.Linear(1536, 40).eval()
+            linear.set_dense_dtype(lin, "int8")
+            fast = lin(x)
+            assert dense_int8.weight_levels() == 127 and int8_weights(lin)[0].abs().max() > 63
+        assert (dense_int8.INT8_GEMM, torch._int_mm) == saved
+        monkeypatch.setattr(dense_int8, "INT8_GEMM", "int_mm")  # the real route: torch._int_mm itself
+        assert torch.equal(lin(x), fast)
 
 
 def test_forward_parts_times_each_part_inside_the_forward_and_puts_everything_back():

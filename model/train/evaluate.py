@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.dense_dtype == "bf16" and session.device.type == "cpu" and not linear.bf16_gemms():
         raise ValueError("--dense-dtype bf16 but this CPU has no bf16 GEMM in oneDNN (it needs AVX-512); use fp32 or "
-                         "int8, or bench/bf16_emulated.py for bf16's error")
+                         "int8, or bench/emulated.py for bf16's error")
     model = load_pretrained(args.model, device=session.device)
     set_dense_dtype(model, args.dense_dtype)
     if model.tokenizer is None:

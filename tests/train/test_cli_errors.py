@@ -254,4 +254,4 @@ def test_eval_in_bf16_without_a_bf16_gemm_says_so_before_loading(tiny_yoso, tmp_
     monkeypatch.setattr(linear, "bf16_gemms", lambda: False)
     assert main(["eval", "--model", str(tiny_yoso), "--device", "cpu", "--dense-dtype", "bf16",
                  "--out", str(tmp_path / "e")]) == 2
-    one_line(capsys.readouterr().err, "--dense-dtype bf16", "no bf16 GEMM", "bench/bf16_emulated.py")
+    one_line(capsys.readouterr().err, "--dense-dtype bf16", "no bf16 GEMM", "bench/emulated.py")
