@@ -50,7 +50,7 @@ def test_the_encoders_k_blocked_bf16_layer_sums_its_parts_as_the_twin(monkeypatc
     the bits of the PyTorch ops it replaced."""
     from yoso_serve.model import linear
 
-    if linear.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not linear.bf16_gemms():
         pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
     monkeypatch.setattr(linear, "BF16_K_BLOCK", linear.BF16_SAFE_K)  # K-blocked, as with AMX
     torch.manual_seed(0)

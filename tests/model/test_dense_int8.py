@@ -139,7 +139,7 @@ def test_q_k_v_as_one_int8_product_give_the_bits_of_three():
 
 
 def test_q_k_v_in_bf16_read_one_rounding_of_the_input_and_give_the_bits_of_three(monkeypatch):
-    if linear.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not linear.bf16_gemms():
         pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
     model = load_pretrained(default_model_dir())
     linear.set_dense_dtype(model, "bf16")
@@ -180,7 +180,7 @@ def test_bf16_q_k_v_reach_the_yoso_core_as_they_are_and_give_the_bits_of_their_f
     core reads them as their exact fp32 values and the output GEMM rounds the context to bf16 anyway: the
     model's vectors keep their bits, hashed, with padding (exact mode too where it has no bf16 dot products; with
     them, within fp32 rounding); with an fp32 output layer they stay fp32."""
-    if linear.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not linear.bf16_gemms():
         pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
     from yoso_serve.model.attention.yoso import YosoAttentionCore
 

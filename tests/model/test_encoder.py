@@ -182,7 +182,7 @@ def test_linear_in_bf16_multiplies_rounded_operands_and_keeps_rows_independent()
     gradient still runs fp32 F.linear; "fp32" restores the fp32 path bit for bit."""
     from yoso_serve.model import linear
 
-    if linear.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not linear.bf16_gemms():
         pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
     torch.manual_seed(0)
     lin = linear.Linear(48, 80)
@@ -229,7 +229,7 @@ def test_linear_in_bf16_over_a_long_k_gives_a_row_the_same_bits_at_any_row_count
     activated; near the one rounding of the whole product."""
     from yoso_serve.model import linear
 
-    if linear.ONEDNN_LINEAR is None or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if not linear.bf16_gemms():
         pytest.skip("this torch build or CPU has no oneDNN bf16 linear")
     if not blocked and linear.bf16_k_block() is not None:
         pytest.skip("this CPU runs long-K bf16 GEMMs per K-block (AMX, or no AVX512-BF16)")
