@@ -211,17 +211,41 @@ def floor_rows(runs: list[dict], dense: dict) -> dict:
     return out
 
 
-def floor_table(rows: dict, runs: list[dict]) -> str:
+def ceilings(runs: list[dict], dense: dict, label: str, best_key: str, peer_label: str) -> list[float]:
+    """Per run, what yoso-serve's cell ``label`` would make of its ratio to the best configuration's cell were it
+    served at the floor (its ratio over its share): the most that faster code around the same GEMMs can give."""
+    out = []
+    for r in runs:
+        cell, peer = r.get("yoso", {}).get(label), r.get(best_key, {}).get(peer_label)
+        if cell and cell.get("batches") and peer and peer["rate"]:
+            shape = batch_shape(cell)
+            out.append(cell["rate"] / peer["rate"] / floor_share(cell, dense[shape], shape)["share"])
+    return out
+
+
+def floor_table(rows: dict, runs: list[dict], peers: list | None = None, dense: dict | None = None,
+                excluded: dict | None = None, concurrency: list[int] | None = None) -> str:
+    """The floor shares per cell; with ``peers`` and ``dense``, also yoso-serve over the row's best configuration
+    (``excluded`` left out, as in :func:`tables`) at the floor (:func:`ceilings`)."""
+    ceiling = peers is not None and dense is not None
     lines = ["| served (yoso-serve cell) | mean batch (inputs × tokens) | served tokens/s | dense floor tokens/s | "
-             "share of the floor (per run) | in the forward | GEMMs / forward |", "|---|---|---:|---:|---|---:|---:|"]
+             "share of the floor (per run) | in the forward | GEMMs / forward |"
+             + (" over the best, at the floor (per run) |" if ceiling else ""),
+             "|---|---|---:|---:|---|---:|---:|" + ("---|" if ceiling else "")]
+    by_cell = {m.yoso: m for m in measures(concurrency or [1, 8, 32])}
     for label, per_run in rows.items():
         shapes = [batch_shape(r["yoso"][label]) for r in runs if label in r.get("yoso", {})]
         med = {k: statistics.median(x[k] for x in per_run) for k in per_run[0]}
         shares = [x["share"] for x in per_run]
-        lines.append(f"| {label} | {' / '.join(dict.fromkeys(f'{a} × {b}' for a, b in shapes))} | "
-                     f"{med['served_tokens_s']:,.0f} | {med['floor_tokens_s']:,.0f} | **{100 * med['share']:.0f} %** "
-                     f"({', '.join(f'{100 * s:.0f}' for s in shares)}) | {100 * med['forward']:.0f} % | "
-                     f"{100 * med['dense_in_forward']:.0f} % |")
+        line = (f"| {label} | {' / '.join(dict.fromkeys(f'{a} × {b}' for a, b in shapes))} | "
+                f"{med['served_tokens_s']:,.0f} | {med['floor_tokens_s']:,.0f} | **{100 * med['share']:.0f} %** "
+                f"({', '.join(f'{100 * s:.0f}' for s in shares)}) | {100 * med['forward']:.0f} % | "
+                f"{100 * med['dense_in_forward']:.0f} % |")
+        if ceiling:
+            m = by_cell.get(label)
+            best = None if m is None else best_peer(runs, [p for p in peers if p not in (excluded or {})], m.peer)
+            line += f" {ratio_text(ceilings(runs, dense, label, best.key, m.peer) if best else [])} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -238,7 +262,7 @@ def plot_floor(rows: dict, path) -> None:
     med = [{k: statistics.median(x[k] for x in rows[lb]) for k in rows[lb][0]} for lb in labels]
     gemm = np.array([m["share"] for m in med])
     forward = np.array([m["forward"] for m in med])
-    fig, ax = plt.subplots(figsize=(9, 0.6 * len(labels) + 1.6))
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(labels) + 2.4))
     ax.barh(labels, 100 * gemm, label="dense layers alone (the floor)")
     ax.barh(labels, 100 * np.clip(forward - gemm, 0, None), left=100 * gemm,
             label="rest of the forward (attention, LayerNorm, ...)")
@@ -247,5 +271,5 @@ def plot_floor(rows: dict, path) -> None:
     ax.set_xlabel("% of the served wall time")
     ax.set_title("yoso-serve's served time against its dense layers alone")
     ax.invert_yaxis()
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)  # below: no bar hidden
     save_figure(fig, path)

@@ -295,7 +295,7 @@ def main() -> None:
     md = tables(runs, peers, args.concurrency, excluded)
     agreement = agreement_table(vectors, peers, saved["ran_as"]["yoso"])
     md += f"\n\n{agreement}" if agreement else ""
-    floor_md = floor_table(floor_rows(runs, dense), runs) if dense else ""
+    floor_md = floor_table(floor_rows(runs, dense), runs, peers, dense, excluded, args.concurrency) if dense else ""
     print(f"machine: {saved['machine']}; {saved['date']}; command: {command}\nran as: {saved['ran_as']}\n\n{md}"
           f"\n\n{floor_md}")
     plot(runs, peers, args.concurrency, args.long_concurrency, PLOT, saved["ran_as"].get("yoso"), excluded)
@@ -328,7 +328,9 @@ def write_docs(saved: dict, args, peers: list, md: str, floor_md: str, command: 
                       f"each cell's mean batch from the server's /metrics, medians of {args.floor_repeats}, in the "
                       f"bench process after the servers stopped). \"Share of the floor\" is served tokens/s over "
                       f"what the GEMMs alone would allow; \"in the forward\" the wall time inside the model's "
-                      f"forward; the rest is HTTP, tokenising and the queue. Command: `{command}`, "
+                      f"forward; the rest is HTTP, tokenising and the queue. \"Over the best, at the floor\" is "
+                      f"yoso-serve / best of the table above divided by the share: the most that faster code around "
+                      f"the same GEMMs could make of that row. Command: `{command}`, "
                       f"{saved['date']}. Machine: {saved['machine']}; {load}."
                       f"\n\n{floor_md}\n\n![floor](img/{FLOOR_PLOT.name})")
 

@@ -86,6 +86,7 @@ def test_yoso_serve_is_set_against_the_best_configuration_of_each_measure_by_med
 
 def test_the_floor_is_the_gemm_time_of_the_padded_tokens_served_against_the_wall_time():
     from _peer_report import batch_shape, floor_rows, floor_share, floor_table
+    from _peer_servers import PEERS
 
     # 10 batches of 32 texts of 128 tokens in 2 s, 1.6 s of them in the forward
     cell = _cell(160.0, batches=10.0, inputs=320.0, padded_tokens=40960.0, tokens=40960.0, seconds=2.0,
@@ -103,6 +104,12 @@ def test_the_floor_is_the_gemm_time_of_the_padded_tokens_served_against_the_wall
     assert [round(r["share"], 2) for r in rows["short c=32"]] == [0.5, 0.8]
     line = floor_table(rows, runs).splitlines()[-1]
     assert line.startswith("| short c=32 | 32 × 128 | 26,624 | 40,960 | **65 %** (50, 80) |")
+    # at the floor: yoso-serve's ratio to the best configuration over its share (1.6 / 0.5, then 2.0 / 0.8)
+    onnx, fp32 = PEERS["onnx"], PEERS["torch-fp32"]
+    for r, peer_rate in zip(runs, (100.0, 80.0)):
+        r[onnx.key], r[fp32.key] = {"short c=32": _cell(peer_rate)}, {"short c=32": _cell(85.0)}
+    line = floor_table(rows, runs, [fp32, onnx], {(32, 128): 0.1}).splitlines()[-1]
+    assert line.endswith("| **2.85×** (3.20, 2.50) |")  # onnx: the best by median (90 against 85)
 
 
 def test_the_peer_bench_prints_the_bound_of_its_run_time():
