@@ -35,7 +35,9 @@ sha256() { "$PY" -c 'import hashlib, sys; print(hashlib.file_digest(open(sys.arg
 case "${1:-}" in
   --kit)
     docs=${GPU_TRAIN_DOCS:-$ROOT/runs/default-model/longdoc-data-wide/train_docs.jsonl}
-    [ -f "$docs" ] || { echo "gpu_train.sh: no $docs (make default-model's longdoc-data-wide stage writes it)" >&2; exit 2; }
+    [ -f "$docs" ] || { echo "gpu_train.sh: no $docs; the recipe's corpus step writes it (a few minutes, no" \
+      "training): $PY recipes/yoso-minilm-l6-4096/make.py longdoc-data-wide --work runs/default-model" \
+      "(it names the documentation packages to apt-get install if any is missing)" >&2; exit 2; }
     mkdir -p "$KIT"
     xzcopy "$docs" "$KIT/train_docs.jsonl.xz" compress || exit 1
     if [ "$KIT" = "$ROOT/.kit" ]; then  # travels only when carried

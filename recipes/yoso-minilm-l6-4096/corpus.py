@@ -321,11 +321,17 @@ def prepare_corpus(out: Path, tokenizer, *, train_sources=TRAIN_SOURCES, transfe
     overlap = set(train_sources) & set(transfer_sources)
     if overlap:
         raise ValueError(f"sources both trained on and kept out: {sorted(overlap)}")
+    names = (*train_sources, *transfer_sources)
+    unknown = [name for name in names if name not in SOURCES]
+    if unknown:
+        raise ValueError(f"unknown source {unknown[0]!r}; known: {', '.join(SOURCES)}")
+    missing = [SOURCES[name] for name in names if not SOURCES[name].root.is_dir()]
+    if missing:  # all at once, before minutes of reading the others
+        raise ValueError(f"{', '.join(str(s.root) for s in missing)} not found; install them with "
+                         f"`apt-get install -y {' '.join(dict.fromkeys(s.package for s in missing))}`")
     man = man_page_names()
     split: dict[str, list[dict]] = {"train": [], "heldout": [], "transfer": []}
-    for name in (*train_sources, *transfer_sources):
-        if name not in SOURCES:
-            raise ValueError(f"unknown source {name!r}; known: {', '.join(SOURCES)}")
+    for name in names:
         for row in read_source(SOURCES[name], tokenizer, max_tokens=max_tokens, min_tokens=min_tokens, man_names=man):
             side = "transfer" if name in transfer_sources else \
                 "heldout" if is_heldout(row["page"], heldout_percent) else "train"

@@ -80,11 +80,24 @@ def test_training_and_transfer_sources_must_not_overlap(tmp_path):
         corpus.prepare_corpus(tmp_path, None, train_sources=("python",), transfer_sources=("python",))
 
 
+def test_missing_documentation_packages_are_named_together_before_any_reading(tmp_path, monkeypatch):
+    sources = {n: corpus.Source(n, tmp_path / n, f"{n}-doc") for n in ("a", "b", "t")}
+    monkeypatch.setattr(corpus, "SOURCES", sources)
+    (tmp_path / "b").mkdir()
+    monkeypatch.setattr(corpus, "read_source", lambda *a, **kw: pytest.fail("read before the check"))
+    with pytest.raises(ValueError, match=r"not found; install them with `apt-get install -y t-doc a-doc`"):
+        corpus.prepare_corpus(tmp_path / "out", None, train_sources=("t", "b"), transfer_sources=("a",))
+    with pytest.raises(ValueError, match="unknown source 'zz'"):
+        corpus.prepare_corpus(tmp_path / "out", None, train_sources=("zz", "t"), transfer_sources=("a",))
+
+
 def test_transfer_documents_of_several_sources_are_mixed(tmp_path, monkeypatch):
     # deep_pairs takes the first N eligible documents: with several sources kept out, the transfer file must not
     # be one source after another, or the eval's corpus is its first source alone
     names = ("a", "b", "c", "t")
     monkeypatch.setattr(corpus, "SOURCES", {n: corpus.Source(n, tmp_path / n, f"{n}-doc") for n in names})
+    for n in names:
+        (tmp_path / n).mkdir()
     monkeypatch.setattr(corpus, "dpkg_version", lambda package: f"{package[0]}-1.0")
     monkeypatch.setattr(corpus, "read_source", lambda source, tok, **kw: (
         {"doc": f"{source.name}/p{i}#0", "source": source.name, "page": f"{source.name}/p{i}", "blocks": ["x"],
