@@ -24,7 +24,7 @@ import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 DOC_ROOT = Path("/usr/share/doc")
 MAN_ROOT = Path("/usr/share/man")
@@ -289,12 +289,18 @@ def page_documents(source: str, rel: str, blocks: list[str], lengths: list[int],
     return rows
 
 
+def check_installed(sources: Iterable[Source]) -> None:
+    """ValueError naming every source whose pages are not installed, with the one ``apt-get`` line for them all."""
+    missing = [s for s in sources if not s.root.is_dir()]
+    if missing:
+        raise ValueError(f"{', '.join(str(s.root) for s in missing)} not found; install them with "
+                         f"`apt-get install -y {' '.join(dict.fromkeys(s.package for s in missing))}`")
+
+
 def read_source(source: Source, tokenizer, *, max_tokens: int, min_tokens: int,
                 man_names: frozenset[str] = frozenset(), max_pages: int = 0) -> Iterator[dict]:
     """Document rows of one source; ``tokenizer.encode(list[str], add_special_tokens=False)`` counts tokens."""
-    if not source.root.is_dir():
-        raise ValueError(f"{source.name}: {source.root} not found; install it with "
-                         f"`apt-get install -y {source.package}`")
+    check_installed([source])
     for n, (rel, path) in enumerate(source.pages(man_names)):
         if max_pages and n >= max_pages:
             break
@@ -325,10 +331,7 @@ def prepare_corpus(out: Path, tokenizer, *, train_sources=TRAIN_SOURCES, transfe
     unknown = [name for name in names if name not in SOURCES]
     if unknown:
         raise ValueError(f"unknown source {unknown[0]!r}; known: {', '.join(SOURCES)}")
-    missing = [SOURCES[name] for name in names if not SOURCES[name].root.is_dir()]
-    if missing:  # all at once, before minutes of reading the others
-        raise ValueError(f"{', '.join(str(s.root) for s in missing)} not found; install them with "
-                         f"`apt-get install -y {' '.join(dict.fromkeys(s.package for s in missing))}`")
+    check_installed(SOURCES[name] for name in names)  # all at once, before minutes of reading the others
     man = man_page_names()
     split: dict[str, list[dict]] = {"train": [], "heldout": [], "transfer": []}
     for name in names:

@@ -84,6 +84,8 @@ def test_missing_documentation_packages_are_named_together_before_any_reading(tm
     sources = {n: corpus.Source(n, tmp_path / n, f"{n}-doc") for n in ("a", "b", "t")}
     monkeypatch.setattr(corpus, "SOURCES", sources)
     (tmp_path / "b").mkdir()
+    with pytest.raises(ValueError, match=r"a not found; install them with `apt-get install -y a-doc`"):
+        next(corpus.read_source(sources["a"], None, max_tokens=4000, min_tokens=64))  # one source: the same check
     monkeypatch.setattr(corpus, "read_source", lambda *a, **kw: pytest.fail("read before the check"))
     with pytest.raises(ValueError, match=r"not found; install them with `apt-get install -y t-doc a-doc`"):
         corpus.prepare_corpus(tmp_path / "out", None, train_sources=("t", "b"), transfer_sources=("a",))
