@@ -48,6 +48,11 @@ def best_peer(runs: list[dict], peers: list, label: str):
     return max(rated, key=lambda t: t[:2])[2] if rated else None
 
 
+def best_kept(runs: list[dict], peers: list, label: str, excluded: dict | None = None):
+    """:func:`best_peer` among the configurations that keep their vectors (``excluded`` left out)."""
+    return best_peer(runs, [p for p in peers if p not in (excluded or {})], label)
+
+
 def ratios(runs: list[dict], a: tuple[str, str], b: tuple[str, str]) -> list[float]:
     """Per run, the rate of cell ``a`` over cell ``b`` ((server, label) each), where both were measured."""
     return [r[a[0]][a[1]]["rate"] / r[b[0]][b[1]]["rate"] for r in runs
@@ -76,7 +81,7 @@ def tables(runs: list[dict], peers: list, concurrency: list[int], excluded: dict
              "(per run in brackets):", "",
              f"| measure | yoso-serve |{head} yoso-serve / best |", "|---|---:|" + "---:|" * len(peers) + "---|"]
     for m in measures(concurrency):
-        best = best_peer(runs, [p for p in peers if p not in excluded], m.peer)
+        best = best_kept(runs, peers, m.peer, excluded)
         spec = ".1f" if m.unit == "req/s" else ".2f"
         cells = [fmt(median(runs, p.key, m.peer), spec) for p in peers]
         cells = [f"**{c}**" if p is best else c for c, p in zip(cells, peers)]
@@ -243,7 +248,7 @@ def floor_table(rows: dict, runs: list[dict], peers: list | None = None, dense: 
                 f"{100 * med['dense_in_forward']:.0f} % |")
         if ceiling:
             m = by_cell.get(label)
-            best = None if m is None else best_peer(runs, [p for p in peers if p not in (excluded or {})], m.peer)
+            best = None if m is None else best_kept(runs, peers, m.peer, excluded)
             line += f" {ratio_text(ceilings(runs, dense, label, best.key, m.peer) if best else [])} |"
         lines.append(line)
     return "\n".join(lines)
