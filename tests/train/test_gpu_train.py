@@ -42,6 +42,11 @@ def test_without_a_gpu_or_a_kit_it_stops_with_one_line(tmp_path):
     assert done.returncode == 3 and done.stderr.startswith("gpu_train.sh needs a CUDA GPU")
     done = run(env={"PYTHON": sys.executable, "GPU_TRAIN_KIT": str(tmp_path / "kit"), "GPU_TRAIN_DEVICE": "cpu"})
     assert done.returncode == 2 and "run --kit here" in done.stderr
+    # --kit without the training corpus names the one recipe step that writes it, not the whole training pipeline
+    done = run("--kit", env={"PYTHON": sys.executable, "GPU_TRAIN_KIT": str(tmp_path / "kit"),
+                             "GPU_TRAIN_DOCS": str(tmp_path / "none.jsonl")})
+    assert done.returncode == 2 and "make.py longdoc-data-wide --work runs/default-model" in done.stderr
+    assert not (tmp_path / "kit").exists()
 
 
 def test_a_budget_too_small_to_train_stops_before_any_work(tmp_path):
